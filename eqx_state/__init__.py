@@ -1,0 +1,25 @@
+"""eqx_state: stateful layers for Equinox, with pure, jit-compiled steps."""
+
+from . import nn as nn
+from ._buffer import (
+    BatchStat as BatchStat,
+    Buffer as Buffer,
+    Cache as Cache,
+    CounterState as CounterState,
+    MetricState as MetricState,
+    RngState as RngState,
+    freeze as freeze,
+    is_state as is_state,
+    params as params,
+    to_refs as to_refs,
+)
+from ._errors import (
+    StaleModelError as StaleModelError,
+    StateError as StateError,
+    StateWriteError as StateWriteError,
+    StepError as StepError,
+)
+from ._step import Step as Step, apply as apply, make_step as make_step
+
+
+__version__ = "0.1.0"

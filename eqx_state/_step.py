@@ -1,0 +1,384 @@
+"""`make_step` (one jit-compiled training step) and `apply` (any state-writing call)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax._src import core as _jax_core
+
+from ._buffer import _is_param, _refreeze, _stale_message, _thaw, is_state, params
+from ._errors import StaleModelError, StepError
+
+
+try:  # keeps weakly-typed leaves weakly typed, so the second call does not retrace
+    from jax._src.lax.lax import _convert_element_type as _convert
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _convert = None
+
+_Ref = jax.Ref
+_Tracer = jax.core.Tracer
+_Array = jax.Array
+_STATIC = -1
+
+
+def _fast_ref_swap_ok(r: Any) -> bool:
+    # A concrete ref at top level stores its array in `_refs._buf`; JAX's own
+    # dispatch of ref arguments reads and replaces exactly that (pxla's
+    # `_shard_mutable_array`). We do the same outside the compiled call so that the
+    # call stays on jit's C++ fast path (a ref argument costs ~30-50 us per call).
+    impl = getattr(r, "_refs", None)
+    return type(r) is _Ref and hasattr(impl, "_buf")
+
+
+def _split(leaves: list[Any], allow_fast_refs: bool) -> tuple[Any, ...]:
+    """Split flattened leaves into what the jitted function takes.
+
+    `spec[i]` is the index into the unique dynamic arrays for leaf `i`, `_STATIC` for
+    a Python value (kept in `statics`, part of the compilation key), or `-2 - k` for
+    the `k`-th ref passed as a ref (only under an outer transformation, where the
+    refs may be tracers). Arrays reachable twice are passed (and donated) once.
+    """
+    spec: list[int] = []
+    statics: list[Any] = []
+    dyn: list[Any] = []
+    refs: list[Any] = []
+    ref_pos: list[int] = []
+    seen: dict[int, int] = {}
+    seen_refs: dict[int, int] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Array) or isinstance(leaf, (np.ndarray, np.generic)):
+            k = seen.get(id(leaf))
+            if k is None:
+                k = seen[id(leaf)] = len(dyn)
+                dyn.append(leaf)
+            spec.append(k)
+        elif isinstance(leaf, _Ref):
+            if allow_fast_refs and _fast_ref_swap_ok(leaf):
+                k = seen.get(id(leaf))
+                if k is None:
+                    k = seen[id(leaf)] = len(dyn)
+                    dyn.append(leaf._refs._buf)
+                spec.append(k)
+                ref_pos.append(i)
+            else:
+                k = seen_refs.get(id(leaf))
+                if k is None:
+                    k = seen_refs[id(leaf)] = len(refs)
+                    refs.append(leaf)
+                spec.append(-2 - k)
+        else:
+            spec.append(_STATIC)
+            statics.append(leaf)
+    return tuple(spec), tuple(statics), dyn, refs, tuple(ref_pos)
+
+
+def _join(spec: tuple[int, ...], statics: tuple[Any, ...], dyn: Any, refs: Any) -> list:
+    out = []
+    it = iter(statics)
+    for s in spec:
+        if s >= 0:
+            out.append(dyn[s])
+        elif s == _STATIC:
+            out.append(next(it))
+        else:
+            out.append(refs[-2 - s])
+    return out
+
+
+def _match_weak(out: Any, like: Any) -> Any:
+    """Give `out` the dtype and weak type of `like` (an input of the same leaf)."""
+    like_aval = jax.typeof(like)
+    out_aval = jax.typeof(out)
+    if out_aval.dtype == like_aval.dtype and out_aval.weak_type == like_aval.weak_type:
+        return out
+    if _convert is not None:
+        return _convert(out, like_aval.dtype, weak_type=like_aval.weak_type)
+    return out.astype(like_aval.dtype)  # pragma: no cover
+
+
+def _reraise_stale(e: Exception, trees: Any) -> None:
+    msg = str(e)
+    if "deleted" in msg or "donated" in msg:
+        for leaf in jax.tree_util.tree_leaves(trees):
+            if isinstance(leaf, _Array) and not isinstance(leaf, _Tracer):
+                if leaf.is_deleted():
+                    raise StaleModelError(_stale_message("model")) from e
+
+
+class _Plan:
+    """One compiled variant of a step: how the flattened `(model, opt_state)` of a
+    call maps onto the jitted function, and the jitted function itself."""
+
+    __slots__ = ("treedef", "spec", "statics", "fn", "ref_slots", "positions")
+
+    def __init__(self, treedef, spec, statics, fn, ref_pos):
+        self.treedef = treedef
+        self.spec = spec
+        self.statics = statics
+        self.fn = fn
+        # Array leaves: (position, index of their output).
+        self.positions = tuple(
+            (i, k) for i, k in enumerate(spec) if k >= 0 and i not in ref_pos
+        )
+        # Ref-mode cells passed by value: (index of their output, first position).
+        first: dict[int, int] = {}
+        for i in ref_pos:
+            first.setdefault(spec[i], i)
+        self.ref_slots = tuple((k, i) for k, i in first.items())
+
+
+class Step:
+    """A compiled training step; build it with [`eqx_state.make_step`][].
+
+    Call it as `model, opt_state = step(model, opt_state, *args, **kwargs)` (with
+    `aux` appended when `has_aux=True`). `step.init(model)` returns the optimizer
+    state. `step.trace_count` counts how often the step was traced (compiled).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        *,
+        has_aux: bool,
+        donate: bool,
+        jit_kwargs: dict[str, Any],
+    ):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = has_aux
+        self.donate = donate
+        self._jit_kwargs = jit_kwargs
+        self._plans: dict[Any, _Plan] = {}
+        # The model/opt_state this step returned last, with what it knows of them:
+        # calling the step again on them skips flattening and splitting.
+        self._last: tuple[Any, Any, _Plan, list] | None = None
+        self.trace_count = 0
+
+    def init(self, model: Any) -> optax.OptState:
+        """The optimizer state for `model`'s parameters ([`eqx_state.params`][]).
+
+        **Arguments:**
+
+        - `model`: the model, in either mode.
+
+        **Returns:**
+
+        `optimizer.init(es.params(model))`.
+        """
+        return self.optimizer.init(params(model))
+
+    def _impl(self, treedef, spec, statics, dyn, refs, args, kwargs):
+        self.trace_count += 1
+        model, opt_state = jax.tree_util.tree_unflatten(
+            treedef, _join(spec, statics, dyn, refs)
+        )
+        model, made = _thaw(model)
+        diff, rest = eqx.partition(model, _is_param, is_leaf=is_state)
+        diff_leaves = jax.tree_util.tree_leaves(diff)
+        if len({id(x) for x in diff_leaves}) != len(diff_leaves):
+            raise StepError(
+                "The model holds the same parameter array at two places. make_step "
+                "cannot tell whether they should be trained as one (tied) or two "
+                "parameters. Tie parameters with `eqx.nn.Shared`, or copy the array "
+                "if they are meant to be independent."
+            )
+
+        def loss(d):
+            out = self.loss_fn(eqx.combine(d, rest, is_leaf=is_state), *args, **kwargs)
+            if self.has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise StepError(
+                        "make_step(..., has_aux=True) expects `loss_fn` to return a "
+                        f"pair `(loss, aux)`, got {type(out).__name__}."
+                    )
+                value = out[0]
+            else:
+                value = out
+            if jnp.shape(value) != ():
+                raise StepError(
+                    "`loss_fn` must return a scalar loss"
+                    + (" (as the first element of `(loss, aux)`)" if self.has_aux else "")
+                    + f", got shape {jnp.shape(value)}. Reduce it (e.g. `jnp.mean`), or "
+                    "pass `has_aux=True` if it returns `(loss, aux)`."
+                )
+            return out
+
+        out, grads = jax.value_and_grad(loss, has_aux=self.has_aux)(diff)
+        updates, opt_state = self.optimizer.update(grads, opt_state, diff)
+        diff = optax.apply_updates(diff, updates)
+        model = eqx.combine(diff, rest, is_leaf=is_state)
+        model = _refreeze(model, made)
+        new_leaves, new_treedef = jax.tree_util.tree_flatten((model, opt_state))
+        if new_treedef != treedef:
+            raise StepError(
+                "The step changed the structure of the model or optimizer state "
+                f"(before: {treedef}, after: {new_treedef}). The optimizer must keep "
+                "the structure of its state; the loss must not replace modules."
+            )
+        # One output per distinct input array (tied cells share one ref, so all their
+        # positions hold the same frozen value).
+        outs: list[Any] = [None] * len(dyn)
+        for new, k in zip(new_leaves, spec):
+            if k >= 0 and outs[k] is None:
+                outs[k] = _match_weak(new, dyn[k])
+        aux = out[1] if self.has_aux else None
+        return outs, aux
+
+    def _plan(self, leaves: list, treedef: Any) -> tuple[_Plan, list, list]:
+        spec, statics, dyn, refs, ref_pos = _split(
+            leaves, allow_fast_refs=_jax_core.trace_state_clean()
+        )
+        key = (treedef, spec, statics, ref_pos)
+        plan = self._plans.get(key)
+        if plan is None:
+            fn = jax.jit(
+                functools.partial(self._impl, treedef, spec, statics),
+                donate_argnums=(0,) if self.donate else (),
+                **self._jit_kwargs,
+            )
+            plan = self._plans[key] = _Plan(treedef, spec, statics, fn, ref_pos)
+        return plan, dyn, refs
+
+    def __call__(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
+        last = self._last
+        if (
+            last is not None
+            and last[0] is model
+            and last[1] is opt_state
+            and (not last[2].ref_slots or _jax_core.trace_state_clean())
+        ):
+            # Fast path: called on what this step returned last time, so the plan
+            # and the arrays are known: no flattening, no splitting.
+            _, _, plan, leaves, dyn = last
+            for k, i in plan.ref_slots:
+                dyn[k] = leaves[i]._refs._buf
+            refs: list = []
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
+            plan, dyn, refs = self._plan(leaves, treedef)
+        try:
+            outs, aux = plan.fn(dyn, refs, args, kwargs)
+        except ValueError as e:
+            _reraise_stale(e, (model, opt_state))
+            raise
+        leaves = list(leaves)
+        for i, k in plan.positions:
+            leaves[i] = outs[k]
+        for k, i in plan.ref_slots:
+            # A ref-mode cell: put the new value into the ref in place (as JAX does
+            # after a call with ref arguments); the model keeps the same ref.
+            leaves[i]._refs._buf = outs[k]
+        new_model, new_opt_state = jax.tree_util.tree_unflatten(plan.treedef, leaves)
+        self._last = (new_model, new_opt_state, plan, leaves, outs)
+        if self.has_aux:
+            return new_model, new_opt_state, aux
+        return new_model, new_opt_state
+
+
+def make_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+    **jit_kwargs: Any,
+) -> Step:
+    """Build one jit-compiled training step.
+
+    The step differentiates `loss_fn` with respect to the parameters of the model
+    ([`eqx_state.params`][]: inexact arrays outside state cells) only, applies
+    `optimizer`, and threads every state write made during the loss (BatchNorm
+    statistics, counters, metrics, ...). It is a pure function of its inputs: inside
+    it the state cells become refs created in the trace, layers write them in place,
+    and they are frozen before the step returns.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, *args, **kwargs) -> loss` (a scalar), or
+        `-> (loss, aux)` with `has_aux=True`.
+    - `optimizer`: an `optax.GradientTransformation`.
+    - `has_aux`: whether `loss_fn` returns `(loss, aux)`; the step then returns
+        `(model, opt_state, aux)`.
+    - `donate`: donate the buffers the step replaces (parameters, optimizer state,
+        value-mode state), as hand-written JAX does with `donate_argnums`. The model
+        and optimizer state passed in are then consumed; pass `donate=False` to keep
+        them valid (e.g. to differentiate through a step).
+    - `**jit_kwargs`: passed to `jax.jit` (e.g. `in_shardings`).
+
+    **Returns:**
+
+    A [`eqx_state.Step`][]: call it as `model, opt_state = step(model, opt_state,
+    *args, **kwargs)`; `step.init(model)` makes the optimizer state. In ref mode
+    ([`eqx_state.to_refs`][]) the returned model holds the same refs, updated in
+    place.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, optax
+    import eqx_state as es
+
+    model = eqx.nn.Sequential([eqx.nn.Linear(2, 4, key=jax.random.key(0)),
+                               es.nn.BatchNorm(4), eqx.nn.Lambda(jax.nn.relu),
+                               eqx.nn.Linear(4, 1, key=jax.random.key(1))])
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    opt_state = step.init(model)
+    x, y = jnp.ones((8, 2)), jnp.zeros(8)
+    model, opt_state = step(model, opt_state, x, y)
+    ```
+    """
+    return Step(loss_fn, optimizer, has_aux=has_aux, donate=donate, jit_kwargs=jit_kwargs)
+
+
+def apply(fn: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Run `fn(model, *args, **kwargs)`, letting it write state, and return
+    `(out, new_model)`.
+
+    In value mode the cells become refs for the duration of the call and are frozen
+    afterwards, so `apply` is a pure function (wrap it, or the code around it, in
+    `eqx.filter_jit`). In ref mode the cells are written in place and the returned
+    model is `model` itself. Use it for forward-only work that writes state:
+    evaluation loops that update metrics, BatchNorm recalibration, decoding with a
+    cache.
+
+    **Arguments:**
+
+    - `fn`: any function of the model.
+    - `model`: the model, in either mode.
+    - `*args`, `**kwargs`: passed to `fn`.
+
+    **Returns:**
+
+    `(out, model)`: what `fn` returned and the model with the new state.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    bn = es.nn.BatchNorm(3)
+    y, bn = es.apply(lambda m, x: m(x), bn, jnp.ones((4, 3)))
+    assert int(bn.num_batches_tracked[...]) == 1
+    ```
+    """
+    thawed, made = _thaw(model)
+    out = fn(thawed, *args, **kwargs)
+    if any(isinstance(x, _Ref) and id(x) in made for x in jax.tree_util.tree_leaves(out)):
+        raise StepError(
+            "`apply(fn, model, ...)`: `fn` returned a state cell's ref. Return "
+            "values (`buf[...]`), not cells; the new model is returned by `apply`."
+        )
+    return out, _refreeze(thawed, made)

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from .._buffer import CounterState
+
+
+class Counter(eqx.Module):
+    """An integer counter kept as state: the seed tutorial's counter as a layer.
+
+    `increment()` adds one (or `by`) and returns the new count; `value` reads it. In
+    evaluation ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) `increment()`
+    writes nothing and returns the current count.
+
+    **Arguments:**
+
+    - `start`: the initial count.
+    - `dtype`: the integer dtype of the count (default int32).
+
+    **Example:**
+
+    ```python
+    import eqx_state as es
+
+    counter = es.to_refs(es.nn.Counter())
+    print([int(counter.increment()) for _ in range(3)])  # [1, 2, 3]
+    ```
+    """
+
+    count: CounterState
+    inference: bool = False
+
+    def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
+        self.count = CounterState(jnp.asarray(start, dtype=dtype))
+        self.inference = inference
+
+    @property
+    def value(self) -> Int[Array, ""]:
+        """The current count."""
+        return self.count[...]
+
+    def increment(self, by: int | Int[Array, ""] = 1) -> Int[Array, ""]:
+        """Add `by` to the count (unless in inference mode); return the new count."""
+        if self.inference:
+            return self.count[...]
+        new = self.count[...] + jnp.asarray(by, self.count.dtype)
+        self.count[...] = new
+        return new
+
+    def __call__(self) -> Int[Array, ""]:
+        """Same as `increment()`."""
+        return self.increment()
+
+
+_ = jax  # keep the import for type checkers that resolve `jax.Array` via jaxtyping
