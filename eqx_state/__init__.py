@@ -1,6 +1,6 @@
 """eqx_state: stateful layers for Equinox, with pure, jit-compiled steps."""
 
-from . import nn as nn
+from . import metrics as metrics, nn as nn
 from ._buffer import (
     BatchStat as BatchStat,
     Buffer as Buffer,

@@ -1,0 +1,1 @@
+"""Metrics kept as state: mergeable sufficient statistics updated inside the step."""
