@@ -25,9 +25,12 @@ def _is_ref(x: Any) -> bool:
 
 
 def _to_value(x: Any) -> Any:
-    if isinstance(x, jax.Array) or _is_ref(x):
+    if _is_ref(x) or isinstance(x, jax.core.Tracer):
         return x
-    return jnp.asarray(x)
+    x = jnp.asarray(x)
+    if x.weak_type:  # a cell has a definite dtype: `Buffer(0.0)` is float32
+        x = jnp.asarray(x, dtype=x.dtype)
+    return x
 
 
 class Buffer(eqx.Module):

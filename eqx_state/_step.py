@@ -266,7 +266,7 @@ class Step:
             plan, dyn, refs = self._plan(leaves, treedef)
         try:
             outs, aux = plan.fn(dyn, refs, args, kwargs)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             _reraise_stale(e, (model, opt_state))
             raise
         leaves = list(leaves)

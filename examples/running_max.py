@@ -16,10 +16,11 @@ import eqx_state as es
 
 class RunningMax(eqx.Module):
     peak: es.Buffer
-    inference: bool = False
+    inference: bool
 
-    def __init__(self, features: int):
+    def __init__(self, features: int, inference: bool = False):
         self.peak = es.Buffer(jnp.full((features,), -jnp.inf))
+        self.inference = inference
 
     def __call__(self, x):  # x: [batch, features]
         if not self.inference:

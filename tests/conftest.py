@@ -2,8 +2,9 @@ import jax
 import pytest
 
 
-jax.config.update("jax_numpy_dtype_promotion", "strict")
-jax.config.update("jax_numpy_rank_promotion", "raise")
+# Equinox's tests use strict dtype and rank promotion; Optax's optimizers (and
+# ordinary user code that these tests mirror) rely on standard promotion, so the
+# defaults stay. jaxtyping + beartype check the package (see pyproject addopts).
 
 
 @pytest.fixture

@@ -148,7 +148,7 @@ class BatchNorm(eqx.Module):
         red = tuple(i for i in range(x.ndim) if i != axis)
         shape = [1] * x.ndim
         shape[axis] = self.num_features
-        cdtype = jnp.promote_types(x.dtype, jnp.float32)
+        cdtype = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
         xc = x.astype(cdtype)
         use_batch = not self.inference or not self.track_running_stats
         if use_batch:

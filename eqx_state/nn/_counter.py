@@ -38,11 +38,11 @@ class Counter(eqx.Module):
         self.inference = inference
 
     @property
-    def value(self) -> Int[Array, ""]:
+    def value(self) -> Int[Array, "..."]:
         """The current count."""
         return self.count[...]
 
-    def increment(self, by: int | Int[Array, ""] = 1) -> Int[Array, ""]:
+    def increment(self, by: int | Int[Array, "..."] = 1) -> Int[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
         if self.inference:
             return self.count[...]
@@ -50,7 +50,7 @@ class Counter(eqx.Module):
         self.count[...] = new
         return new
 
-    def __call__(self) -> Int[Array, ""]:
+    def __call__(self) -> Int[Array, "..."]:
         """Same as `increment()`."""
         return self.increment()
 

@@ -1,0 +1,179 @@
+"""State cells, the two storage modes, filters, and the errors users meet."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+class Tied(eqx.Module):
+    a: es.Buffer
+    b: es.Buffer
+    lin: eqx.nn.Linear
+
+    def __init__(self):
+        cell = es.Buffer(jnp.zeros(2))
+        self.a = cell
+        self.b = cell  # the same cell reachable from two places
+        self.lin = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+
+    def __call__(self, x):
+        self.a[...] = self.a[...] + 1.0
+        return jax.vmap(self.lin)(x) + self.b[...]  # reads see the write through `a`
+
+
+def test_params_excludes_state():
+    model = Tied()
+    p = es.params(model)
+    assert p.a is None and p.b is None
+    assert p.lin.weight is model.lin.weight
+    assert es.is_state(model.a) and not es.is_state(model.lin.weight)
+    n_state = sum(es.is_state(x) for x in jax.tree.leaves(model, is_leaf=es.is_state))
+    assert n_state == 2
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_tied_cells_are_one_state(mode):
+    model = Tied()
+    if mode == "ref":
+        model = es.to_refs(model)
+        assert model.a.value is model.b.value
+    x = jnp.ones((3, 2))
+    out, model = es.apply(lambda m, x: m(x), model, x)
+    out, model = es.apply(lambda m, x: m(x), model, x)
+    np.testing.assert_array_equal(model.a[...], [2.0, 2.0])
+    np.testing.assert_array_equal(model.b[...], [2.0, 2.0])
+    np.testing.assert_allclose(out, jax.vmap(model.lin)(x) + 2.0)
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1))
+    opt_state = step.init(model)
+    model, opt_state = step(model, opt_state, x)
+    model, opt_state = step(model, opt_state, x)
+    np.testing.assert_array_equal(model.b[...], [4.0, 4.0])
+    assert step.trace_count == 1
+
+
+def test_to_refs_and_freeze_round_trip():
+    bn = es.nn.BatchNorm(3)
+    bn_r = es.to_refs(bn)
+    assert isinstance(bn_r.running_mean.value, jax.Ref)
+    assert es.to_refs(bn_r).running_mean.value is bn_r.running_mean.value  # idempotent
+    bn_r(jnp.arange(6.0).reshape(2, 3))
+    snap = es.freeze(bn_r)
+    assert isinstance(snap.running_mean.value, jax.Array)
+    np.testing.assert_allclose(snap.running_mean[...], [0.15, 0.25, 0.35], rtol=1e-6)
+    bn_r(jnp.arange(6.0).reshape(2, 3))  # later writes do not change the snapshot
+    np.testing.assert_allclose(snap.running_mean[...], [0.15, 0.25, 0.35], rtol=1e-6)
+    assert int(bn_r.num_batches_tracked[...]) == 2
+
+
+def test_writes_carry_no_gradient():
+    class Probe(eqx.Module):
+        w: jax.Array
+        seen: es.Buffer
+
+        def __call__(self, x):
+            y = self.w * x
+            self.seen[...] = y  # a differentiated value written into state
+            return jnp.sum(y**2)
+
+    model = Probe(jnp.array(3.0), es.Buffer(jnp.zeros(2)))
+    step = es.make_step(lambda m, x: m(x), optax.sgd(0.1))
+    model, _ = step(model, step.init(model), jnp.array([1.0, 2.0]))
+    np.testing.assert_allclose(model.seen[...], [3.0, 6.0])  # the value, not a tangent
+    # d/dw sum(w^2 x^2) = 2 w sum(x^2) = 30: w = 3 - 0.1 * 30 = 0
+    np.testing.assert_allclose(model.w, 0.0, atol=1e-6)
+
+
+def test_value_mode_write_outside_a_step_names_the_fixes():
+    bn = es.nn.BatchNorm(3)
+    with pytest.raises(es.StateWriteError, match=r"es\.apply|eqx_state\.apply") as e:
+        bn(jnp.ones((4, 3)))
+    msg = str(e.value)
+    assert "make_step" in msg and "to_refs" in msg and "inference_mode" in msg
+    # the same inside the user's own jit
+    with pytest.raises(es.StateWriteError, match="value mode and no step is running"):
+        eqx.filter_jit(lambda m, x: m(x))(bn, jnp.ones((4, 3)))
+    # evaluation needs no step
+    y = eqx.nn.inference_mode(bn)(jnp.ones((4, 3)))
+    assert y.shape == (4, 3)
+
+
+def test_wrong_shape_or_dtype_write():
+    cell = es.to_refs(es.Buffer(jnp.zeros(3)))
+    with pytest.raises(es.StateWriteError, match=r"shape \(4,\) into a Buffer cell of shape \(3,\)"):
+        cell[...] = jnp.zeros(4)
+    with pytest.raises(es.StateWriteError, match="dtype int32 into a Buffer cell of dtype float32"):
+        cell[...] = jnp.zeros(3, jnp.int32)
+    cell[...] = jnp.ones(3)
+    cell[1] = 5.0  # weakly typed Python scalars are cast; indexed writes work
+    np.testing.assert_array_equal(cell[...], [1.0, 5.0, 1.0])
+
+
+def test_stale_model_after_donation_names_donate_false():
+    model = es.nn.BatchNorm(3)
+    step = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-3))
+    opt_state = step.init(model)
+    x = jnp.ones((4, 3))
+    new_model, new_opt_state = step(model, opt_state, x)
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        step(model, opt_state, x)
+    with pytest.raises(es.StaleModelError, match="donated"):
+        eqx.nn.inference_mode(model)(x)
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        es.to_refs(model)
+    # the returned model is fine, and donate=False keeps old models valid
+    step2 = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-3), donate=False)
+    m2, s2 = step2(new_model, new_opt_state, x)
+    m3, _ = step2(new_model, new_opt_state, x)
+    np.testing.assert_array_equal(m2.running_mean[...], m3.running_mean[...])
+
+
+def test_vmap_of_unbatched_ref_write_is_a_clear_error():
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    xs = jnp.ones((2, 4, 3))
+    with pytest.raises(es.StateWriteError, match="inside `jax.vmap`"):
+        jax.vmap(lambda x: bn(x))(xs)
+
+
+def test_loss_must_be_scalar_and_aux_a_pair():
+    model = es.nn.BatchNorm(3)
+    x = jnp.ones((4, 3))
+    step = es.make_step(lambda m, x: m(x), optax.sgd(0.1))
+    with pytest.raises(es.StepError, match="must return a scalar loss"):
+        step(model, step.init(model), x)
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1), has_aux=True)
+    with pytest.raises(es.StepError, match=r"return a pair `\(loss, aux\)`"):
+        step(model, step.init(model), x)
+
+
+def test_parameter_shared_by_identity_is_an_error():
+    w = jnp.ones(2)
+
+    class Two(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+    step = es.make_step(lambda m: jnp.sum(m.a * m.b), optax.sgd(0.1))
+    model = Two(w, w)
+    with pytest.raises(es.StepError, match="eqx.nn.Shared"):
+        step(model, step.init(model))
+
+
+def test_apply_in_ref_mode_returns_the_same_refs():
+    counter = es.to_refs(es.nn.Counter())
+    out, same = es.apply(lambda c: c.increment(), counter)
+    assert int(out) == 1 and same.count.value is counter.count.value
+
+
+def test_apply_is_pure_in_value_mode_and_jits():
+    counter = es.nn.Counter()
+    run = eqx.filter_jit(lambda c: es.apply(lambda c: c.increment(), c))
+    n1, c1 = run(counter)
+    n2, c2 = run(c1)
+    n1b, _ = run(counter)  # the old model is a valid snapshot
+    assert (int(n1), int(n2), int(n1b)) == (1, 2, 1)
+    assert int(counter.value) == 0

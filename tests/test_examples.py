@@ -1,0 +1,98 @@
+"""Every example script runs (at a tiny size) and prints what its docstring promises."""
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counter_prints_1_2_3_in_both_modes(capsys):
+    load("counter").main([])
+    assert capsys.readouterr().out.split() == "value mode: 1 2 3 ref mode: 1 2 3".split()
+
+
+def _hand_threaded_regression(steps):
+    """The tutorial's update, threaded by hand (pure JAX, no optax)."""
+
+    def loss_fn(params, x, y):
+        return jnp.mean((params["w"] * x + params["b"] - y) ** 2)
+
+    @jax.jit
+    def update(params, opt_state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
+        opt_state = jax.tree.map(lambda m, g: 0.9 * m + g, opt_state, grads)
+        params = jax.tree.map(lambda p, m: p - 0.1 * m, params, opt_state)
+        return params, opt_state
+
+    params = {"w": jnp.float32(1.0), "b": jnp.float32(0.0)}
+    opt_state = jax.tree.map(jnp.zeros_like, params)
+    x, y = jnp.array([1.0, 2.0, 3.0]), jnp.array([3.0, 5.0, 7.0])
+    for _ in range(steps):
+        params, opt_state = update(params, opt_state, x, y)
+    return params
+
+
+def test_linear_regression_matches_the_hand_threaded_loop(capsys):
+    example = load("linear_regression")
+    example.main([])
+    out = capsys.readouterr().out
+    assert "{'b': 1.0, 'w': 2.0}" in out and "steps taken: 100" in out
+    ref = _hand_threaded_regression(100)
+    for ref_mode in (False, True):
+        model = example.train(100, ref_mode=ref_mode)
+        np.testing.assert_allclose(model.w, ref["w"], atol=1e-6)
+        np.testing.assert_allclose(model.b, ref["b"], atol=1e-6)
+        assert int(model.steps.value) == 100
+
+
+def test_running_max_user_layer(capsys):
+    load("running_max").main(["--batches", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    values = [line.split(":", 1)[1].strip() for line in lines]
+    assert values[0] == values[1] == values[2]
+
+
+def test_user_layer_in_make_step_both_modes():
+    import equinox as eqx
+
+    import eqx_state as es
+
+    RunningMax = load("running_max").RunningMax
+
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        peak: RunningMax
+
+        def __call__(self, x):
+            return self.peak(jax.vmap(self.lin)(x))
+
+    xs = jax.random.normal(jax.random.key(0), (4, 5, 3))
+    for ref_mode in (False, True):
+        model = Net(eqx.nn.Linear(3, 2, key=jax.random.key(1)), RunningMax(2))
+        if ref_mode:
+            model = es.to_refs(model)
+        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.01), donate=False)
+        opt_state = step.init(model)
+        expected = np.full(2, -np.inf)
+        for x in xs:
+            expected = np.maximum(expected, np.max(jax.vmap(model.lin)(x), axis=0))
+            model, opt_state = step(model, opt_state, x)
+        np.testing.assert_allclose(model.peak.peak[...], expected, rtol=1e-6)
+        # evaluation writes nothing
+        ev = eqx.nn.inference_mode(model)
+        ev(100.0 + xs[0])
+        np.testing.assert_allclose(model.peak.peak[...], expected, rtol=1e-6)

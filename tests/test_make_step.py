@@ -1,0 +1,252 @@
+"""make_step against a hand-threaded pure-JAX loop, in both storage modes, and under
+transforms (remat, vmap over an ensemble, grad through a step)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+W, B, IN, OUT = 6, 8, 5, 3
+MODES = ["value", "ref"]
+
+
+class Net(eqx.Module):
+    l1: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    l2: eqx.nn.Linear
+    steps: es.nn.Counter
+
+    def __init__(self, key, momentum=0.1):
+        k1, k2 = jax.random.split(key)
+        # no bias before BatchNorm: its gradient is zero up to rounding, which Adam
+        # would amplify into noise that no two implementations share
+        self.l1 = eqx.nn.Linear(IN, W, use_bias=False, key=k1)
+        self.bn = es.nn.BatchNorm(W, momentum=momentum)
+        self.l2 = eqx.nn.Linear(W, OUT, key=k2)
+        self.steps = es.nn.Counter()
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.bn(jax.vmap(self.l1)(x)))
+        return jax.vmap(self.l2)(h)
+
+
+def loss_fn(model, x, y):
+    model.steps.increment()
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def data(n_steps, key=jax.random.key(1)):
+    kx, ky = jax.random.split(key)
+    return (
+        jax.random.normal(kx, (n_steps, B, IN)),
+        jax.random.normal(ky, (n_steps, B, OUT)),
+    )
+
+
+def pure_params(model):
+    return {
+        "w1": model.l1.weight,
+        "g": model.bn.weight,
+        "beta": model.bn.bias,
+        "w2": model.l2.weight,
+        "b2": model.l2.bias,
+    }
+
+
+def pure_step(opt, momentum=0.1):
+    """The same training step, written by hand: state threaded as values."""
+
+    def step(p, stats, opt_state, x, y):
+        def loss(p):
+            h = x @ p["w1"].T
+            mean = h.mean(0)
+            var = ((h - mean) ** 2).mean(0)
+            hn = (h - mean) / jnp.sqrt(var + 1e-5) * p["g"] + p["beta"]
+            out = jax.nn.relu(hn) @ p["w2"].T + p["b2"]
+            return jnp.mean((out - y) ** 2), (mean, var)
+
+        (_, (mean, var)), g = jax.value_and_grad(loss, has_aux=True)(p)
+        rm, rv, n, count = stats
+        rm = (1 - momentum) * rm + momentum * mean
+        rv = (1 - momentum) * rv + momentum * var * (B / (B - 1))
+        updates, opt_state = opt.update(g, opt_state, p)
+        return optax.apply_updates(p, updates), (rm, rv, n + 1, count + 1), opt_state
+
+    return jax.jit(step)
+
+
+def fresh(mode, key=jax.random.key(0), **kw):
+    m = Net(key, **kw)
+    return es.to_refs(m) if mode == "ref" else m
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_hand_threaded_loop(mode):
+    """20 steps of adamw (weight decay 0.5: it must not touch statistics or counters)."""
+    n_steps = 20
+    xs, ys = data(n_steps)
+    opt = optax.adamw(1e-2, weight_decay=0.5)
+    model = fresh(mode)
+    p = jax.tree.map(jnp.copy, pure_params(model))
+    stats = (jnp.zeros(W), jnp.ones(W), jnp.int32(0), jnp.int32(0))
+    popt = opt.init(p)
+    ref_step = pure_step(opt)
+    step = es.make_step(loss_fn, opt)
+    opt_state = step.init(model)
+    for i in range(n_steps):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+        p, stats, popt = ref_step(p, stats, popt, xs[i], ys[i])
+    assert step.trace_count == 1
+    for a, b in zip(jax.tree.leaves(pure_params(model)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-5)
+    assert int(model.bn.num_batches_tracked[...]) == n_steps
+    assert int(model.steps.value) == n_steps
+    # optimizer state: same leaves (adam's mu, nu, count), in the same order
+    ours = jax.tree.leaves(opt_state)
+    theirs = jax.tree.leaves(popt)
+    assert len(ours) == len(theirs)
+    mu_ours = pure_params(opt_state[0].mu)
+    mu_ref = popt[0].mu
+    for k in mu_ref:
+        np.testing.assert_allclose(mu_ours[k], mu_ref[k], rtol=1e-5, atol=1e-6)
+    assert int(opt_state[0].count) == int(popt[0].count) == n_steps
+
+
+def _filter_remat_loss(model, x, y):
+    return eqx.filter_checkpoint(loss_fn)(model, x, y)
+
+
+def _closure_remat_loss(model, x, y):
+    return jax.checkpoint(lambda x: loss_fn(model, x, y))(x)
+
+
+@pytest.mark.parametrize("remat_loss", [_filter_remat_loss, _closure_remat_loss])
+@pytest.mark.parametrize("mode", MODES)
+def test_remat_writes_once(mode, remat_loss):
+    """jax.checkpoint under grad replays the forward; state must still advance once."""
+
+    xs, ys = data(3)
+    model_a, model_b = fresh(mode), fresh(mode)
+    step_a = es.make_step(remat_loss, optax.sgd(1e-2))
+    step_b = es.make_step(loss_fn, optax.sgd(1e-2))
+    sa, sb = step_a.init(model_a), step_b.init(model_b)
+    for i in range(3):
+        model_a, sa = step_a(model_a, sa, xs[i], ys[i])
+        model_b, sb = step_b(model_b, sb, xs[i], ys[i])
+    assert int(model_a.steps.value) == 3
+    assert int(model_a.bn.num_batches_tracked[...]) == 3
+    np.testing.assert_allclose(model_a.bn.running_var[...], model_b.bn.running_var[...])
+    np.testing.assert_allclose(model_a.l1.weight, model_b.l1.weight, rtol=1e-6)
+
+
+def test_vmap_ensemble_equals_solo_runs():
+    keys = jax.random.split(jax.random.key(3), 4)
+    xs, ys = data(3)
+    step = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
+    solo = []
+    for k in keys:
+        m = Net(k)
+        s = step.init(m)
+        for i in range(3):
+            m, s = step(m, s, xs[i], ys[i])
+        solo.append(m)
+    ens = eqx.filter_vmap(Net)(keys)
+    ens_opt = eqx.filter_vmap(step.init)(ens)
+    vstep = eqx.filter_vmap(step, in_axes=(eqx.if_array(0), eqx.if_array(0), None, None))
+    for i in range(3):
+        ens, ens_opt = vstep(ens, ens_opt, xs[i], ys[i])
+    for j, m in enumerate(solo):
+        np.testing.assert_allclose(ens.bn.running_mean[...][j], m.bn.running_mean[...], rtol=1e-5)
+        np.testing.assert_allclose(ens.bn.running_var[...][j], m.bn.running_var[...], rtol=1e-5)
+        np.testing.assert_allclose(ens.l2.weight[j], m.l2.weight, rtol=1e-5, atol=1e-6)
+        assert int(ens.steps.count[...][j]) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiles_once_with_weak_scalars(mode):
+    class Scale(eqx.Module):
+        a: jax.Array
+        seen: es.nn.Counter
+
+        def __call__(self, x):
+            self.seen.increment()
+            return self.a * x
+
+    model = Scale(jnp.asarray(1.0), es.nn.Counter())  # weakly typed parameter
+    assert model.a.weak_type
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-2))
+    opt_state = step.init(model)
+    for _ in range(3):
+        model, opt_state = step(model, opt_state, jnp.ones(3))
+    # a fresh flatten of a new model of the same shapes also hits the cache
+    model = jax.tree.map(lambda x: x, model)
+    model, opt_state = step(model, opt_state, jnp.ones(3))
+    assert step.trace_count == 1
+    assert int(model.seen.value) == 4
+
+
+def test_grad_through_one_step_matches_finite_differences():
+    """A value-mode step is a pure function: differentiate the loss after one step with
+    respect to the initial parameters."""
+    xs, ys = data(2)
+    model0 = Net(jax.random.key(5))
+    opt = optax.sgd(0.1)
+    step = es.make_step(loss_fn, opt, donate=False)
+    diff0, static = eqx.partition(model0, eqx.is_inexact_array, is_leaf=es.is_state)
+
+    def after_one_step(diff):
+        model = eqx.combine(diff, static, is_leaf=es.is_state)
+        model, _ = step(model, step.init(model), xs[0], ys[0])
+        return loss_fn(eqx.nn.inference_mode(model), xs[1], ys[1])
+
+    g = jax.grad(after_one_step)(diff0)
+    w = diff0.l2.weight
+    eps = 1e-3
+    for idx in [(0, 0), (1, 3), (2, 5)]:
+        bump = jnp.zeros_like(w).at[idx].set(eps)
+        hi = eqx.tree_at(lambda d: d.l2.weight, diff0, w + bump)
+        lo = eqx.tree_at(lambda d: d.l2.weight, diff0, w - bump)
+        fd = (after_one_step(hi) - after_one_step(lo)) / (2 * eps)
+        np.testing.assert_allclose(g.l2.weight[idx], fd, rtol=2e-2, atol=1e-4)
+    # the input model is still valid (donate=False) and untouched
+    assert int(model0.steps.value) == 0
+
+
+def test_has_aux():
+    xs, ys = data(1)
+    step = es.make_step(lambda m, x, y: (loss_fn(m, x, y), m(x).mean()), optax.sgd(0.1), has_aux=True)
+    model = Net(jax.random.key(0))
+    opt_state = step.init(model)
+    model, opt_state, aux = step(model, opt_state, xs[0], ys[0])
+    assert aux.shape == ()
+
+
+def test_step_under_outer_jit_ref_mode_writes_once():
+    """Under an outer transformation ref-mode cells travel as refs; writes land once."""
+    xs, ys = data(2)
+    model = fresh("ref")
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    ref_model, ref_state = fresh("ref"), None
+    ref_step = es.make_step(loss_fn, optax.sgd(0.1))
+    ref_state = ref_step.init(ref_model)
+
+    @eqx.filter_jit
+    def outer(model, opt_state, x, y):
+        return step(model, opt_state, x, y)
+
+    for i in range(2):
+        model, opt_state = outer(model, opt_state, xs[i], ys[i])
+        ref_model, ref_state = ref_step(ref_model, ref_state, xs[i], ys[i])
+    assert int(model.steps.value) == 2
+    np.testing.assert_allclose(model.bn.running_mean[...], ref_model.bn.running_mean[...], rtol=1e-6)
+    np.testing.assert_allclose(model.l1.weight, ref_model.l1.weight, rtol=1e-6)
