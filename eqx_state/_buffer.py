@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax import core as jax_core
+from jax._src import core as jax_core
 
 from ._errors import StaleModelError, StateWriteError
 
@@ -25,7 +25,7 @@ def _is_ref(x: Any) -> bool:
 
 
 def _to_value(x: Any) -> Any:
-    if _is_ref(x) or isinstance(x, jax.core.Tracer):
+    if _is_ref(x) or isinstance(x, jax_core.Tracer):
         return x
     x = jnp.asarray(x)
     if x.weak_type:  # a cell has a definite dtype: `Buffer(0.0)` is float32
@@ -244,7 +244,11 @@ def _map_cells(fn: Callable[[Any], Any], tree: Any) -> Any:
 def _new_ref(v: Any) -> Any:
     if _is_ref(v):
         return v
-    if isinstance(v, jax.Array) and not isinstance(v, jax_core.Tracer) and v.is_deleted():
+    if (
+        isinstance(v, jax.Array)
+        and not isinstance(v, jax_core.Tracer)
+        and v.is_deleted()
+    ):
         raise StaleModelError(_stale_message("model's state cell"))
     return jax.new_ref(v, kind=_REF_KIND)
 

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
     _convert = None
 
 _Ref = jax.Ref
-_Tracer = jax.core.Tracer
+_Tracer = _jax_core.Tracer
 _Array = jax.Array
 _STATIC = -1
 
@@ -159,7 +159,7 @@ class Step:
         self._plans: dict[Any, _Plan] = {}
         # The model/opt_state this step returned last, with what it knows of them:
         # calling the step again on them skips flattening and splitting.
-        self._last: tuple[Any, Any, _Plan, list] | None = None
+        self._last: tuple[Any, Any, _Plan, list, list] | None = None
         self.trace_count = 0
 
     def init(self, model: Any) -> optax.OptState:
@@ -205,7 +205,11 @@ class Step:
             if jnp.shape(value) != ():
                 raise StepError(
                     "`loss_fn` must return a scalar loss"
-                    + (" (as the first element of `(loss, aux)`)" if self.has_aux else "")
+                    + (
+                        " (as the first element of `(loss, aux)`)"
+                        if self.has_aux
+                        else ""
+                    )
                     + f", got shape {jnp.shape(value)}. Reduce it (e.g. `jnp.mean`), or "
                     "pass `has_aux=True` if it returns `(loss, aux)`."
                 )
@@ -339,10 +343,14 @@ def make_step(
     model, opt_state = step(model, opt_state, x, y)
     ```
     """
-    return Step(loss_fn, optimizer, has_aux=has_aux, donate=donate, jit_kwargs=jit_kwargs)
+    return Step(
+        loss_fn, optimizer, has_aux=has_aux, donate=donate, jit_kwargs=jit_kwargs
+    )
 
 
-def apply(fn: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+def apply(
+    fn: Callable[..., Any], model: Any, *args: Any, **kwargs: Any
+) -> tuple[Any, Any]:
     """Run `fn(model, *args, **kwargs)`, letting it write state, and return
     `(out, new_model)`.
 
@@ -376,7 +384,9 @@ def apply(fn: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> tupl
     """
     thawed, made = _thaw(model)
     out = fn(thawed, *args, **kwargs)
-    if any(isinstance(x, _Ref) and id(x) in made for x in jax.tree_util.tree_leaves(out)):
+    if any(
+        isinstance(x, _Ref) and id(x) in made for x in jax.tree_util.tree_leaves(out)
+    ):
         raise StepError(
             "`apply(fn, model, ...)`: `fn` returned a state cell's ref. Return "
             "values (`buf[...]`), not cells; the new model is returned by `apply`."

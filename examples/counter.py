@@ -11,7 +11,6 @@ trace time). With eqx_state the count lives in a state cell inside the model:
 import argparse
 
 import equinox as eqx
-import jax
 
 import eqx_state as es
 

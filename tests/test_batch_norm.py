@@ -35,7 +35,9 @@ def test_matches_torch(mode, shape, momentum, affine):
         with torch.no_grad():
             tbn.weight.copy_(torch.from_numpy(w))
             tbn.bias.copy_(torch.from_numpy(b))
-        bn = eqx.tree_at(lambda m: (m.weight, m.bias), bn, (jnp.asarray(w), jnp.asarray(b)))
+        bn = eqx.tree_at(
+            lambda m: (m.weight, m.bias), bn, (jnp.asarray(w), jnp.asarray(b))
+        )
     if mode == "ref":
         bn = es.to_refs(bn)
     tbn.train()
@@ -45,10 +47,16 @@ def test_matches_torch(mode, shape, momentum, affine):
         ty = tbn(torch.from_numpy(x)).detach().numpy()
         np.testing.assert_allclose(np.asarray(y), ty, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(
-            np.asarray(bn.running_mean[...]), tbn.running_mean.numpy(), rtol=1e-5, atol=1e-6
+            np.asarray(bn.running_mean[...]),
+            tbn.running_mean.numpy(),
+            rtol=1e-5,
+            atol=1e-6,
         )
         np.testing.assert_allclose(
-            np.asarray(bn.running_var[...]), tbn.running_var.numpy(), rtol=1e-5, atol=1e-6
+            np.asarray(bn.running_var[...]),
+            tbn.running_var.numpy(),
+            rtol=1e-5,
+            atol=1e-6,
         )
         assert int(bn.num_batches_tracked[...]) == int(tbn.num_batches_tracked)
     # evaluation: running statistics, no writes, callable eagerly in value mode
@@ -90,13 +98,17 @@ def test_channels_last_axis():
     bn_first = es.nn.BatchNorm(3)
     y_last, bn_last = es.apply(lambda m, x: m(x), bn_last, x)
     y_first, bn_first = es.apply(lambda m, x: m(x), bn_first, jnp.moveaxis(x, -1, 1))
-    np.testing.assert_allclose(np.moveaxis(np.asarray(y_last), -1, 1), y_first, atol=1e-6)
+    np.testing.assert_allclose(
+        np.moveaxis(np.asarray(y_last), -1, 1), y_first, atol=1e-6
+    )
     np.testing.assert_allclose(bn_last.running_var[...], bn_first.running_var[...])
 
 
 def test_wrong_channels_is_a_clear_error():
     bn = es.to_refs(es.nn.BatchNorm(4))
-    with pytest.raises(ValueError, match=r"BatchNorm\(4\) got an input of shape \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"BatchNorm\(4\) got an input of shape \(2, 3\)"
+    ):
         bn(jnp.ones((2, 3)))
 
 
@@ -118,5 +130,8 @@ def test_bfloat16_input_keeps_dtype_and_float32_stats():
     assert y.dtype == jnp.bfloat16
     assert bn.running_mean.dtype == jnp.float32
     np.testing.assert_allclose(
-        bn.running_mean[...], 0.1 * np.asarray(x, np.float32).mean(0), rtol=1e-5, atol=1e-6
+        bn.running_mean[...],
+        0.1 * np.asarray(x, np.float32).mean(0),
+        rtol=1e-5,
+        atol=1e-6,
     )

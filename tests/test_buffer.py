@@ -104,9 +104,13 @@ def test_value_mode_write_outside_a_step_names_the_fixes():
 
 def test_wrong_shape_or_dtype_write():
     cell = es.to_refs(es.Buffer(jnp.zeros(3)))
-    with pytest.raises(es.StateWriteError, match=r"shape \(4,\) into a Buffer cell of shape \(3,\)"):
+    with pytest.raises(
+        es.StateWriteError, match=r"shape \(4,\) into a Buffer cell of shape \(3,\)"
+    ):
         cell[...] = jnp.zeros(4)
-    with pytest.raises(es.StateWriteError, match="dtype int32 into a Buffer cell of dtype float32"):
+    with pytest.raises(
+        es.StateWriteError, match="dtype int32 into a Buffer cell of dtype float32"
+    ):
         cell[...] = jnp.zeros(3, jnp.int32)
     cell[...] = jnp.ones(3)
     cell[1] = 5.0  # weakly typed Python scalars are cast; indexed writes work
@@ -126,7 +130,9 @@ def test_stale_model_after_donation_names_donate_false():
     with pytest.raises(es.StaleModelError, match="donate=False"):
         es.to_refs(model)
     # the returned model is fine, and donate=False keeps old models valid
-    step2 = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-3), donate=False)
+    step2 = es.make_step(
+        lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-3), donate=False
+    )
     m2, s2 = step2(new_model, new_opt_state, x)
     m3, _ = step2(new_model, new_opt_state, x)
     np.testing.assert_array_equal(m2.running_mean[...], m3.running_mean[...])

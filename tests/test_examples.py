@@ -22,7 +22,9 @@ def load(name):
 
 def test_counter_prints_1_2_3_in_both_modes(capsys):
     load("counter").main([])
-    assert capsys.readouterr().out.split() == "value mode: 1 2 3 ref mode: 1 2 3".split()
+    assert (
+        capsys.readouterr().out.split() == "value mode: 1 2 3 ref mode: 1 2 3".split()
+    )
 
 
 def _hand_threaded_regression(steps):
@@ -85,7 +87,9 @@ def test_user_layer_in_make_step_both_modes():
         model = Net(eqx.nn.Linear(3, 2, key=jax.random.key(1)), RunningMax(2))
         if ref_mode:
             model = es.to_refs(model)
-        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.01), donate=False)
+        step = es.make_step(
+            lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.01), donate=False
+        )
         opt_state = step.init(model)
         expected = np.full(2, -np.inf)
         for x in xs:

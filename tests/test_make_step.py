@@ -40,8 +40,8 @@ def loss_fn(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
 
-def data(n_steps, key=jax.random.key(1)):
-    kx, ky = jax.random.split(key)
+def data(n_steps, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
     return (
         jax.random.normal(kx, (n_steps, B, IN)),
         jax.random.normal(ky, (n_steps, B, OUT)),
@@ -80,8 +80,8 @@ def pure_step(opt, momentum=0.1):
     return jax.jit(step)
 
 
-def fresh(mode, key=jax.random.key(0), **kw):
-    m = Net(key, **kw)
+def fresh(mode, seed=0, **kw):
+    m = Net(jax.random.key(seed), **kw)
     return es.to_refs(m) if mode == "ref" else m
 
 
@@ -104,8 +104,12 @@ def test_matches_hand_threaded_loop(mode):
     assert step.trace_count == 1
     for a, b in zip(jax.tree.leaves(pure_params(model)), jax.tree.leaves(p)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(model.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(model.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        model.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        model.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-5
+    )
     assert int(model.bn.num_batches_tracked[...]) == n_steps
     assert int(model.steps.value) == n_steps
     # optimizer state: same leaves (adam's mu, nu, count), in the same order
@@ -159,12 +163,18 @@ def test_vmap_ensemble_equals_solo_runs():
         solo.append(m)
     ens = eqx.filter_vmap(Net)(keys)
     ens_opt = eqx.filter_vmap(step.init)(ens)
-    vstep = eqx.filter_vmap(step, in_axes=(eqx.if_array(0), eqx.if_array(0), None, None))
+    vstep = eqx.filter_vmap(
+        step, in_axes=(eqx.if_array(0), eqx.if_array(0), None, None)
+    )
     for i in range(3):
         ens, ens_opt = vstep(ens, ens_opt, xs[i], ys[i])
     for j, m in enumerate(solo):
-        np.testing.assert_allclose(ens.bn.running_mean[...][j], m.bn.running_mean[...], rtol=1e-5)
-        np.testing.assert_allclose(ens.bn.running_var[...][j], m.bn.running_var[...], rtol=1e-5)
+        np.testing.assert_allclose(
+            ens.bn.running_mean[...][j], m.bn.running_mean[...], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            ens.bn.running_var[...][j], m.bn.running_var[...], rtol=1e-5
+        )
         np.testing.assert_allclose(ens.l2.weight[j], m.l2.weight, rtol=1e-5, atol=1e-6)
         assert int(ens.steps.count[...][j]) == 3
 
@@ -223,7 +233,9 @@ def test_grad_through_one_step_matches_finite_differences():
 
 def test_has_aux():
     xs, ys = data(1)
-    step = es.make_step(lambda m, x, y: (loss_fn(m, x, y), m(x).mean()), optax.sgd(0.1), has_aux=True)
+    step = es.make_step(
+        lambda m, x, y: (loss_fn(m, x, y), m(x).mean()), optax.sgd(0.1), has_aux=True
+    )
     model = Net(jax.random.key(0))
     opt_state = step.init(model)
     model, opt_state, aux = step(model, opt_state, xs[0], ys[0])
@@ -248,5 +260,7 @@ def test_step_under_outer_jit_ref_mode_writes_once():
         model, opt_state = outer(model, opt_state, xs[i], ys[i])
         ref_model, ref_state = ref_step(ref_model, ref_state, xs[i], ys[i])
     assert int(model.steps.value) == 2
-    np.testing.assert_allclose(model.bn.running_mean[...], ref_model.bn.running_mean[...], rtol=1e-6)
+    np.testing.assert_allclose(
+        model.bn.running_mean[...], ref_model.bn.running_mean[...], rtol=1e-6
+    )
     np.testing.assert_allclose(model.l1.weight, ref_model.l1.weight, rtol=1e-6)

@@ -81,9 +81,13 @@ class BatchNorm(eqx.Module):
         dtype=None,
     ):
         if num_features <= 0:
-            raise ValueError(f"BatchNorm: num_features must be positive, got {num_features}.")
+            raise ValueError(
+                f"BatchNorm: num_features must be positive, got {num_features}."
+            )
         if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"BatchNorm: momentum must be in [0, 1] or None, got {momentum}.")
+            raise ValueError(
+                f"BatchNorm: momentum must be in [0, 1] or None, got {momentum}."
+            )
         dtype = jnp.float32 if dtype is None else dtype
         self.num_features = num_features
         self.eps = eps
@@ -113,8 +117,14 @@ class BatchNorm(eqx.Module):
 
     def _check(self, x: Array) -> int:
         if x.ndim < 1:
-            raise ValueError("BatchNorm expects an input with a channel axis, got a scalar.")
-        axis = self.channel_axis % x.ndim if -x.ndim <= self.channel_axis < x.ndim else None
+            raise ValueError(
+                "BatchNorm expects an input with a channel axis, got a scalar."
+            )
+        axis = (
+            self.channel_axis % x.ndim
+            if -x.ndim <= self.channel_axis < x.ndim
+            else None
+        )
         if axis is None or x.shape[axis] != self.num_features:
             raise ValueError(
                 f"BatchNorm({self.num_features}) got an input of shape {x.shape} with "
