@@ -13,6 +13,7 @@ from ._buffer import (
     params as params,
     to_refs as to_refs,
 )
+from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._errors import (
     StaleModelError as StaleModelError,
     StateError as StateError,

@@ -28,7 +28,7 @@ def _to_value(x: Any) -> Any:
     if _is_ref(x) or isinstance(x, jax_core.Tracer):
         return x
     x = jnp.asarray(x)
-    if x.weak_type:  # a cell has a definite dtype: `Buffer(0.0)` is float32
+    if getattr(x, "weak_type", False):  # a cell has a definite dtype: `Buffer(0.0)` is float32
         x = jnp.asarray(x, dtype=x.dtype)
     return x
 
