@@ -240,7 +240,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _weak(x: jax.Array) -> jax.Array:
+def _weak(x: jax.Array) -> Any:
     from jax._src.lax.lax import _convert_element_type
 
     return _convert_element_type(x, x.dtype, weak_type=True)
