@@ -149,12 +149,40 @@ class Step:
         *,
         has_aux: bool,
         donate: bool,
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis: str = "data",
+        microbatches: int | None = None,
         jit_kwargs: dict[str, Any],
     ):
+        if microbatches is not None and microbatches < 1:
+            raise ValueError(
+                f"make_step: microbatches must be >= 1, got {microbatches}."
+            )
+        if mesh is not None and data_axis not in mesh.axis_names:
+            raise ValueError(
+                f"make_step: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
+                "Pass `data_axis=` naming the axis that shards the batch."
+            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.has_aux = has_aux
         self.donate = donate
+        self.mesh = mesh
+        self.data_axis = data_axis
+        self.microbatches = microbatches
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            replicated = NamedSharding(mesh, PartitionSpec())
+            batch = NamedSharding(mesh, PartitionSpec(data_axis))
+            self._replicated = replicated
+            # model and optimizer state replicated, every argument sharded on its
+            # leading (batch) axis; the outputs stay replicated.
+            jit_kwargs = {
+                "in_shardings": (replicated, None, batch, batch),
+                "out_shardings": replicated,
+                **jit_kwargs,
+            }
         self._jit_kwargs = jit_kwargs
         self._plans: dict[Any, _Plan] = {}
         # The model/opt_state this step returned last, with what it knows of them:
@@ -191,7 +219,7 @@ class Step:
                 "if they are meant to be independent."
             )
 
-        def loss(d):
+        def loss(d, args=args, kwargs=kwargs):
             out = self.loss_fn(eqx.combine(d, rest, is_leaf=is_state), *args, **kwargs)
             if self.has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
@@ -215,7 +243,11 @@ class Step:
                 )
             return out
 
-        out, grads = jax.value_and_grad(loss, has_aux=self.has_aux)(diff)
+        grad_fn = jax.value_and_grad(loss, has_aux=self.has_aux)
+        if self.microbatches is None:
+            out, grads = grad_fn(diff)
+        else:
+            out, grads = self._accumulate(grad_fn, diff, args, kwargs)
         updates, opt_state = self.optimizer.update(grads, opt_state, diff)
         diff = optax.apply_updates(diff, updates)
         model = eqx.combine(diff, rest, is_leaf=is_state)
@@ -235,6 +267,35 @@ class Step:
                 outs[k] = _match_weak(new, dyn[k])
         aux = out[1] if self.has_aux else None
         return outs, aux
+
+    def _accumulate(self, grad_fn, diff, args, kwargs):
+        """Gradients averaged over `microbatches` slices of the batch, accumulated in
+        the carry of a `lax.scan` (in place); state writes land once per slice."""
+        k = self.microbatches
+        assert k is not None
+
+        def split(x):
+            if jnp.ndim(x) == 0 or x.shape[0] % k:
+                raise StepError(
+                    f"make_step(..., microbatches={k}): every argument must be a batch "
+                    f"whose leading axis divides by {k}; got shape {jnp.shape(x)}. Pass "
+                    "non-batch values through a closure."
+                )
+            return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+        batches = jax.tree.map(split, (args, kwargs))
+        zeros = jax.tree.map(jnp.zeros_like, diff)
+
+        def body(acc, batch):
+            out, g = grad_fn(diff, *batch)
+            value = out[0] if self.has_aux else out
+            acc = jax.tree.map(jnp.add, acc, g)
+            return acc, (value, out[1] if self.has_aux else None)
+
+        grads, (values, aux) = jax.lax.scan(body, zeros, batches)
+        grads = jax.tree.map(lambda g: g / k, grads)
+        loss = jnp.mean(values)
+        return ((loss, aux) if self.has_aux else loss), grads
 
     def _plan(self, leaves: list, treedef: Any) -> tuple[_Plan, list, list]:
         spec, statics, dyn, refs, ref_pos = _split(
@@ -268,6 +329,10 @@ class Step:
         else:
             leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
             plan, dyn, refs = self._plan(leaves, treedef)
+            if self.mesh is not None:
+                # place the model as the step's outputs are placed (replicated on the
+                # mesh), so the second call sees the same input types: no retrace
+                dyn = jax.device_put(dyn, self._replicated, donate=self.donate)
         try:
             outs, aux = plan.fn(dyn, refs, args, kwargs)
         except (ValueError, RuntimeError) as e:
@@ -293,6 +358,9 @@ def make_step(
     *,
     has_aux: bool = False,
     donate: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str = "data",
+    microbatches: int | None = None,
     **jit_kwargs: Any,
 ) -> Step:
     """Build one jit-compiled training step.
@@ -315,7 +383,19 @@ def make_step(
         value-mode state), as hand-written JAX does with `donate_argnums`. The model
         and optimizer state passed in are then consumed; pass `donate=False` to keep
         them valid (e.g. to differentiate through a step).
-    - `**jit_kwargs`: passed to `jax.jit` (e.g. `in_shardings`).
+    - `mesh`: a `jax.sharding.Mesh` for data parallelism: every argument is
+        sharded over `data_axis` on its leading (batch) axis, the model and the
+        optimizer state are replicated, and the step is compiled once for the mesh.
+        Reductions over the batch (BatchNorm statistics, metrics, the mean loss) are
+        then over the **global** batch: the step equals the same step on one device.
+    - `data_axis`: the mesh axis that shards the batch.
+    - `microbatches`: accumulate gradients over this many equal slices of the batch
+        (in a `lax.scan`, in place) and apply the optimizer once: with a mean loss
+        this equals one step on the full batch. The loss runs once per slice, so
+        state written in it is written once per slice: BatchNorm statistics are
+        per-slice batch statistics, updated `microbatches` times, as in PyTorch's
+        gradient accumulation. With `has_aux=True`, `aux` is stacked per slice.
+    - `**jit_kwargs`: passed to `jax.jit`.
 
     **Returns:**
 
@@ -344,7 +424,14 @@ def make_step(
     ```
     """
     return Step(
-        loss_fn, optimizer, has_aux=has_aux, donate=donate, jit_kwargs=jit_kwargs
+        loss_fn,
+        optimizer,
+        has_aux=has_aux,
+        donate=donate,
+        mesh=mesh,
+        data_axis=data_axis,
+        microbatches=microbatches,
+        jit_kwargs=jit_kwargs,
     )
 
 

@@ -11,3 +11,8 @@ import pytest
 def getkey():
     keys = iter(jax.random.split(jax.random.key(0), 10_000))
     return lambda: next(keys)
+
+
+# tests/multidevice/ needs 4 devices set up before JAX starts: it runs in its own
+# process from tests/test_multidevice.py.
+collect_ignore = ["multidevice"]

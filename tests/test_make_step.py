@@ -264,3 +264,63 @@ def test_step_under_outer_jit_ref_mode_writes_once():
         model.bn.running_mean[...], ref_model.bn.running_mean[...], rtol=1e-6
     )
     np.testing.assert_allclose(model.l1.weight, ref_model.l1.weight, rtol=1e-6)
+
+
+class Plain(eqx.Module):
+    lin: eqx.nn.Linear
+    calls: es.nn.Counter
+
+    def __call__(self, x):
+        self.calls.increment()
+        return jax.vmap(self.lin)(x)
+
+
+def plain_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_microbatches_equal_the_full_batch_step(mode):
+    xs, ys = data(3)
+
+    def fresh_plain():
+        m = Plain(eqx.nn.Linear(IN, OUT, key=jax.random.key(0)), es.nn.Counter())
+        return es.to_refs(m) if mode == "ref" else m
+
+    full = es.make_step(plain_loss, optax.adam(1e-2))
+    accum = es.make_step(plain_loss, optax.adam(1e-2), microbatches=4)
+    m1, m2 = fresh_plain(), fresh_plain()
+    s1, s2 = full.init(m1), accum.init(m2)
+    for i in range(3):
+        m1, s1 = full(m1, s1, xs[i], ys[i])
+        m2, s2 = accum(m2, s2, xs[i], ys[i])
+    np.testing.assert_allclose(m1.lin.weight, m2.lin.weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        s1[0].nu.lin.weight, s2[0].nu.lin.weight, rtol=1e-4, atol=1e-9
+    )
+    assert int(m1.calls.value) == 3 and int(m2.calls.value) == 12  # once per slice
+    assert accum.trace_count == 1
+
+
+def test_microbatches_batchnorm_statistics_are_per_slice():
+    """Documented behaviour: BatchNorm sees each slice as a batch (as in PyTorch)."""
+    xs, ys = data(1)
+    model = Net(jax.random.key(0))
+    ref = es.nn.BatchNorm(W)
+    h = jax.vmap(model.l1)(xs[0])
+    for part in jnp.split(h, 2):
+        _, ref = es.apply(lambda m, x: m(x), ref, part)
+    step = es.make_step(loss_fn, optax.sgd(0.0), microbatches=2)
+    model, _ = step(model, step.init(model), xs[0], ys[0])
+    np.testing.assert_allclose(
+        model.bn.running_var[...], ref.running_var[...], rtol=1e-6
+    )
+    assert int(model.bn.num_batches_tracked[...]) == 2
+
+
+def test_microbatches_need_divisible_batches():
+    step = es.make_step(plain_loss, optax.sgd(0.1), microbatches=3)
+    m = Plain(eqx.nn.Linear(IN, OUT, key=jax.random.key(0)), es.nn.Counter())
+    xs, ys = data(1)
+    with pytest.raises(es.StepError, match="divides by 3"):
+        step(m, step.init(m), xs[0], ys[0])
