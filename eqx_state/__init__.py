@@ -21,6 +21,7 @@ from ._errors import (
     StepError as StepError,
 )
 from ._step import Step as Step, apply as apply, make_step as make_step
+from ._vmap import vmap as vmap
 
 
 __version__ = "0.1.0"

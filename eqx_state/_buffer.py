@@ -28,7 +28,9 @@ def _to_value(x: Any) -> Any:
     if _is_ref(x) or isinstance(x, jax_core.Tracer):
         return x
     x = jnp.asarray(x)
-    if getattr(x, "weak_type", False):  # a cell has a definite dtype: `Buffer(0.0)` is float32
+    if getattr(
+        x, "weak_type", False
+    ):  # a cell has a definite dtype: `Buffer(0.0)` is float32
         x = jnp.asarray(x, dtype=x.dtype)
     return x
 
@@ -160,10 +162,11 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
             raise StateWriteError(
                 f"A {kind} cell was written inside `jax.vmap` with a per-example "
                 "(batched) value, but the cell itself is not batched: JAX cannot write "
-                "a vmapped value into an unbatched ref. Either compute the statistic "
-                "over the whole batch outside the vmap (call the layer on the batched "
-                "input), reduce over the vmapped axis with a layer `axis_name`, or vmap "
-                "over an ensemble of models whose state has the same leading axis."
+                "a vmapped value into an unbatched ref. Either map per-example calls "
+                "with `eqx_state.vmap(model, axis_name=...)` (with layers that reduce "
+                "over that axis, e.g. `BatchNorm(..., axis_name=...)`), call the layer "
+                "on the whole batch instead, or vmap over an ensemble of models whose "
+                "state has the same leading axis (`eqx.filter_vmap` of the step)."
             ) from e
         raise
 

@@ -1,0 +1,133 @@
+"""`vmap` for per-example code whose layers write state (Equinox's BatchNorm style)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._buffer import _REF_KIND, Buffer, _is_ref, is_state
+
+
+def _shadow(cells: list[Any], size: int) -> list[Any]:
+    return [
+        jax.new_ref(jnp.broadcast_to(r[...], (size, *r.shape)), kind=_REF_KIND)
+        for r in cells
+    ]
+
+
+def vmap(
+    fn: Callable[..., Any],
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    *,
+    axis_name: Hashable | None = None,
+    axis_size: int | None = None,
+) -> Callable[..., Any]:
+    """`jax.vmap` for per-example calls of a model whose layers write state.
+
+    JAX cannot write a vmapped value into an unbatched ref, even one that is the
+    same for every example (a `pmean`-ed batch statistic). `es.vmap` gives every
+    state cell a batched shadow for the duration of the call, lets each example
+    write its row, and writes the (common) value back into the cell once. This is
+    the supported way to use `BatchNorm(..., axis_name=name)` per example, as
+    `eqx.nn.BatchNorm` is used: `es.vmap(model, axis_name="batch")(x)`.
+
+    Cells are found in `fn` when it is a pytree (an `eqx.Module`), and in the
+    arguments whose `in_axes` is `None`. Every example must write the same value
+    (reduce over `axis_name` first); otherwise the call fails at run time with an
+    error rather than keeping one example's value.
+
+    **Arguments:**
+
+    - `fn`: the function (typically the model) to map.
+    - `in_axes`, `out_axes`, `axis_name`, `axis_size`: as for `jax.vmap`.
+        `in_axes` is an int or `None`, or a tuple with one entry per argument.
+
+    **Returns:**
+
+    The mapped function.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    bn = es.nn.BatchNorm(3, channel_axis=0, axis_name="batch")
+    y, bn = es.apply(lambda m, x: es.vmap(m, axis_name="batch")(x), bn, jnp.ones((4, 3)))
+    assert int(bn.num_batches_tracked[...]) == 1
+    ```
+    """
+
+    @functools.wraps(fn)
+    def mapped(*args: Any) -> Any:
+        axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+        if len(axes) != len(args):
+            raise ValueError(
+                f"es.vmap: in_axes has {len(axes)} entries for {len(args)} arguments."
+            )
+        size = axis_size
+        if size is None:
+            for a, ax in zip(args, axes):
+                leaves = jax.tree_util.tree_leaves(a) if ax is not None else []
+                if leaves:
+                    size = jnp.shape(leaves[0])[ax]
+                    break
+        if size is None:
+            raise ValueError("es.vmap: no mapped argument; pass `axis_size=`.")
+        # `fn` and the unmapped arguments are searched for ref cells
+        carriers = (fn, *(a if ax is None else None for a, ax in zip(args, axes)))
+        flat, treedef = jax.tree_util.tree_flatten(carriers, is_leaf=is_state)
+        seen: dict[int, int] = {}
+        cells: list[Any] = []
+        slots: list[int | None] = []
+        for leaf in flat:
+            if isinstance(leaf, Buffer) and _is_ref(leaf.value):
+                k = seen.setdefault(id(leaf.value), len(cells))
+                if k == len(cells):
+                    cells.append(leaf.value)
+                slots.append(k)
+            else:
+                slots.append(None)
+        shadows = _shadow(cells, size)
+
+        def inner(shadow_refs: list[Any], *mapped_args: Any) -> Any:
+            new = [
+                leaf
+                if k is None
+                else eqx.tree_at(lambda b: b.value, leaf, shadow_refs[k])
+                for leaf, k in zip(flat, slots)
+            ]
+            f, *unmapped = jax.tree_util.tree_unflatten(treedef, new)
+            call_args = [
+                u if ax is None else a for u, a, ax in zip(unmapped, mapped_args, axes)
+            ]
+            return f(*call_args)
+
+        out = jax.vmap(
+            inner,
+            in_axes=(0, *axes),
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+        )(shadows, *args)
+        for cell, shadow in zip(cells, shadows):
+            rows = jax.freeze(shadow)
+            differs = jnp.any(rows != rows[:1]) if size > 1 else jnp.array(False)
+            value = eqx.error_if(
+                rows[0],
+                differs,
+                "es.vmap: the examples of a vmapped call wrote different values into "
+                "one state cell, which has room for one. Reduce the value over the "
+                "vmapped axis first (e.g. BatchNorm(..., axis_name=...) or "
+                "jax.lax.pmean), or keep per-example state in a batched cell.",
+            )
+            cell[...] = jax.lax.stop_gradient(value)
+        return out
+
+    return mapped
