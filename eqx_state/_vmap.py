@@ -74,9 +74,9 @@ def vmap(
         size = axis_size
         if size is None:
             for a, ax in zip(args, axes):
-                leaves = jax.tree_util.tree_leaves(a) if ax is not None else []
-                if leaves:
-                    size = jnp.shape(leaves[0])[ax]
+                leaves = jax.tree_util.tree_leaves(a)
+                if ax is not None and leaves:
+                    size = int(jnp.shape(leaves[0])[int(ax)])
                     break
         if size is None:
             raise ValueError("es.vmap: no mapped argument; pass `axis_size=`.")
