@@ -1,0 +1,254 @@
+"""Data-parallel scaling: steps/s of a sharded training step on 1, 2 and 4 CPU devices.
+
+For each device count a fresh process is started with
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` (set before JAX is imported). In
+it, the medium MLP-BatchNorm step (`Linear -> BatchNorm -> ReLU` x depth, then
+`Linear(10)`, cross-entropy, Adam) runs two ways on a 1-D mesh over the batch:
+
+- `pure_jax`: hand-written JAX: parameters and BatchNorm statistics threaded by hand,
+  `jax.jit` with `in_shardings` (batch sharded, the rest replicated) and donation;
+- `es_value`: `es.make_step(..., mesh=mesh)` over an `eqx.Module` with
+  `es.nn.BatchNorm`;
+- `es_ref`: the same in ref mode.
+
+Both are checked first (same loss trajectory and BatchNorm statistics after a few
+steps), then timed in interleaved rounds. Reported: median steps/s (min-max over
+rounds) and the median per-round ratio of step time to `pure_jax`. The devices are
+CPU "devices" sharing this machine's cores, so steps/s measures the cost of the
+sharded program and its collectives, not real parallel speed-up.
+
+Run: `python benchmarks/scaling.py` (`--tiny` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def worker(n_devices: int, width: int, depth: int, batch: int, rounds: int, steps: int):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import eqx_state as es
+
+    assert jax.device_count() == n_devices, jax.devices()
+    mesh = jax.make_mesh((n_devices,), ("data",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    opt = optax.adam(1e-3)
+
+    class MLP(eqx.Module):
+        lins: list
+        bns: list
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, depth + 1)
+            self.lins = [eqx.nn.Linear(width, width, key=k) for k in keys[:-1]]
+            self.bns = [es.nn.BatchNorm(width) for _ in range(depth)]
+            self.out = eqx.nn.Linear(width, 10, key=keys[-1])
+
+        def __call__(self, x):
+            for lin, bn in zip(self.lins, self.bns):
+                x = jax.nn.relu(bn(x @ lin.weight.T + lin.bias))
+            return x @ self.out.weight.T + self.out.bias
+
+    def loss_fn(model, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    def pure_step(p, s, o, x, y):
+        def loss(p):
+            h, new = x, []
+            for (w, b), (g, beta), (rm, rv, n) in zip(p["lins"], p["bns"], s):
+                h = h @ w.T + b
+                mean = h.mean(0)
+                var = ((h - mean) ** 2).mean(0)
+                new.append(
+                    (
+                        0.9 * rm + 0.1 * mean,
+                        0.9 * rv + 0.1 * var * batch / (batch - 1),
+                        n + 1,
+                    )
+                )
+                h = jax.nn.relu((h - mean) * jax.lax.rsqrt(var + 1e-5) * g + beta)
+            logits = h @ p["out"][0].T + p["out"][1]
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, y
+            ).mean(), new
+
+        (value, new), g = jax.value_and_grad(loss, has_aux=True)(p)
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), new, o, value
+
+    pure = jax.jit(
+        pure_step,
+        in_shardings=(rep, rep, rep, shard, shard),
+        out_shardings=rep,
+        donate_argnums=(0, 1, 2),
+    )
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (batch, width))
+    y = jax.random.randint(key, (batch,), 0, 10)
+
+    def fresh_pure():
+        m = MLP(key)
+        p = {
+            "lins": [(jnp.copy(lin.weight), jnp.copy(lin.bias)) for lin in m.lins],
+            "bns": [(jnp.copy(bn.weight), jnp.copy(bn.bias)) for bn in m.bns],
+            "out": (jnp.copy(m.out.weight), jnp.copy(m.out.bias)),
+        }
+        s = [
+            (jnp.zeros(width), jnp.ones(width), jnp.zeros((), jnp.int32))
+            for _ in range(depth)
+        ]
+        p, s = jax.device_put((p, s), rep)
+        return [p, s, jax.device_put(opt.init(p), rep)]
+
+    def fresh_es(ref):
+        m = MLP(key)
+        m = es.to_refs(m) if ref else m
+        step = es.make_step(loss_fn, opt, mesh=mesh)
+        return step, [m, step.init(m)]
+
+    # correctness first
+    st = fresh_pure()
+    es_steps = {name: fresh_es(name == "es_ref") for name in ("es_value", "es_ref")}
+    for _ in range(3):
+        st[0], st[1], st[2], _ = pure(*st, x, y)
+        for step, s in es_steps.values():
+            s[0], s[1] = step(s[0], s[1], x, y)
+    for name, (_, s) in es_steps.items():
+        np.testing.assert_allclose(
+            np.asarray(s[0].bns[0].running_var[...]),
+            np.asarray(st[1][0][1]),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+        np.testing.assert_allclose(
+            np.asarray(s[0].out.weight),
+            np.asarray(st[0]["out"][0]),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+
+    times: dict[str, list[float]] = {"pure_jax": [], "es_value": [], "es_ref": []}
+
+    def run_pure():
+        for _ in range(steps):
+            st[0], st[1], st[2], _ = pure(*st, x, y)
+        jax.block_until_ready(st[0])
+
+    def run_es(name):
+        step, s = es_steps[name]
+        for _ in range(steps):
+            s[0], s[1] = step(s[0], s[1], x, y)
+        jax.block_until_ready(s[1])
+
+    runners = {
+        "pure_jax": run_pure,
+        "es_value": lambda: run_es("es_value"),
+        "es_ref": lambda: run_es("es_ref"),
+    }
+    order = list(runners)
+    for r in range(rounds):
+        for name in order[r % 3 :] + order[: r % 3]:
+            t = time.perf_counter()
+            runners[name]()
+            times[name].append((time.perf_counter() - t) / steps)
+    print(json.dumps({"devices": n_devices, "times": times}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
+    if a.tiny:
+        a.width, a.depth, a.batch, a.rounds, a.steps = 16, 1, 16, 2, 3
+    if a.worker:
+        worker(a.worker, a.width, a.depth, a.batch, a.rounds, a.steps)
+        return {}
+    results = {}
+    for n in a.devices:
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+            JAX_PLATFORMS="cpu",
+        )
+        cmd = [sys.executable, __file__, "--worker", str(n)]
+        cmd += [
+            "--width",
+            str(a.width),
+            "--depth",
+            str(a.depth),
+            "--batch",
+            str(a.batch),
+        ]
+        cmd += ["--rounds", str(a.rounds), "--steps", str(a.steps)]
+        out = subprocess.run(
+            cmd, env=env, check=True, capture_output=True, text=True
+        ).stdout
+        results[n] = json.loads(out.strip().splitlines()[-1])["times"]
+    lines = [
+        f"Scaling: width {a.width}, depth {a.depth}, global batch {a.batch}; "
+        f"{a.rounds} rounds x {a.steps} steps (CPU devices share the machine's cores).",
+        "",
+        "| devices | variant | steps/s (median) | min-max | ratio to pure JAX |",
+        "|---|---|---|---|---|",
+    ]
+    for n, times in results.items():
+        for name, ts in times.items():
+            ratios = [t / p for t, p in zip(ts, times["pure_jax"])]
+            lines.append(
+                f"| {n} | {name} | {1 / statistics.median(ts):.1f} | "
+                f"{1 / max(ts):.1f}-{1 / min(ts):.1f} | {statistics.median(ratios):.3f} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    if not a.tiny:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "results_scaling.md").write_text(table + "\n")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            for name in ("pure_jax", "es_value", "es_ref"):
+                ax.plot(
+                    list(results),
+                    [1 / statistics.median(results[n][name]) for n in results],
+                    marker="o",
+                    label=name,
+                )
+            ax.set_xlabel("CPU devices")
+            ax.set_ylabel("steps/s (median)")
+            ax.set_xticks(list(results))
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(a.out / "scaling.png", dpi=120)
+        except ImportError:
+            pass
+    return results
+
+
+if __name__ == "__main__":
+    main()
