@@ -127,7 +127,7 @@ def worker(n_devices: int, width: int, depth: int, batch: int, rounds: int, step
         st[0], st[1], st[2], _ = pure(*st, x, y)
         for step, s in es_steps.values():
             s[0], s[1] = step(s[0], s[1], x, y)
-    for name, (_, s) in es_steps.items():
+    for _, s in es_steps.values():
         np.testing.assert_allclose(
             np.asarray(s[0].bns[0].running_var[...]),
             np.asarray(st[1][0][1]),
