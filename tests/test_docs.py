@@ -1,0 +1,49 @@
+"""Every Python block of the docs runs; every public name has an API entry."""
+
+import contextlib
+import io
+import pathlib
+import re
+
+import pytest
+
+import eqx_state as es
+
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md"))
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_code_blocks_run(page):
+    blocks = BLOCK.findall(page.read_text())
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i, block in enumerate(blocks):
+            try:
+                exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
+            except Exception as e:  # pragma: no cover - the message is the point
+                raise AssertionError(f"{page.name}, block {i} failed:\n{block}") from e
+    # outputs promised in comments (`# [1, 2, 3]`) appear in what the blocks printed
+    printed = out.getvalue()
+    for block in blocks:
+        for line in block.splitlines():
+            m = re.match(r"\s*print\(.*\)\s+# (.+)$", line)
+            if m:
+                assert m.group(1).strip() in printed, (page.name, line, printed)
+
+
+def _public_names():
+    names = {f"eqx_state.{n}" for n in dir(es) if not n.startswith("_") and n not in {"nn", "metrics"}}
+    names |= {f"eqx_state.nn.{n}" for n in dir(es.nn) if not n.startswith("_")}
+    names |= {f"eqx_state.metrics.{n}" for n in dir(es.metrics) if not n.startswith("_")}
+    return names
+
+
+def test_every_public_name_is_in_the_api_reference():
+    api = "\n".join(p.read_text() for p in (DOCS / "api").glob("*.md"))
+    documented = set(re.findall(r"^::: (\S+)", api, re.M))
+    missing = sorted(_public_names() - documented)
+    assert not missing, f"add these to docs/api/: {missing}"
