@@ -333,6 +333,16 @@ class Step:
                 # place the model as the step's outputs are placed (replicated on the
                 # mesh), so the second call sees the same input types: no retrace
                 dyn = jax.device_put(dyn, self._replicated, donate=self.donate)
+            elif _jax_core.trace_state_clean():
+                # Commit every array to its device. jit caches on committedness, and
+                # arrays get committed behind our back (an eager read of a ref-mode
+                # cell does it), which would otherwise cost a recompilation.
+                dyn = [
+                    x
+                    if getattr(x, "committed", True)
+                    else jax.device_put(x, x.sharding)
+                    for x in dyn
+                ]
         try:
             outs, aux = plan.fn(dyn, refs, args, kwargs)
         except (ValueError, RuntimeError) as e:

@@ -4,6 +4,7 @@ import contextlib
 import io
 import pathlib
 import re
+import types
 
 import pytest
 
@@ -36,10 +37,18 @@ def test_code_blocks_run(page):
 
 
 def _public_names():
-    names = {f"eqx_state.{n}" for n in dir(es) if not n.startswith("_") and n not in {"nn", "metrics"}}
-    names |= {f"eqx_state.nn.{n}" for n in dir(es.nn) if not n.startswith("_")}
-    names |= {f"eqx_state.metrics.{n}" for n in dir(es.metrics) if not n.startswith("_")}
-    return names
+    def names_of(module, prefix):
+        return {
+            f"{prefix}.{n}"
+            for n, v in vars(module).items()
+            if not n.startswith("_") and not isinstance(v, types.ModuleType)
+        }
+
+    return (
+        names_of(es, "eqx_state")
+        | names_of(es.nn, "eqx_state.nn")
+        | names_of(es.metrics, "eqx_state.metrics")
+    )
 
 
 def test_every_public_name_is_in_the_api_reference():

@@ -324,3 +324,19 @@ def test_microbatches_need_divisible_batches():
     xs, ys = data(1)
     with pytest.raises(es.StepError, match="divides by 3"):
         step(m, step.init(m), xs[0], ys[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reading_state_between_steps_does_not_recompile(mode):
+    """jit caches on whether inputs are committed to a device; eager reads of
+    ref-mode cells commit them. The step must not compile again because of it."""
+    xs, ys = data(4)
+    model = fresh(mode)
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    opt_state = step.init(model)
+    for i in range(4):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+        float(model.bn.running_mean[...][0])  # an eager read of a cell
+        float(model.l1.weight[0, 0])
+    (plan,) = step._plans.values()
+    assert plan.fn._cache_size() == 1
