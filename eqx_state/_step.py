@@ -116,16 +116,17 @@ class _Plan:
     """One compiled variant of a step: how the flattened `(model, opt_state)` of a
     call maps onto the jitted function, and the jitted function itself."""
 
-    __slots__ = ("treedef", "spec", "statics", "fn", "ref_slots", "positions")
+    __slots__ = ("treedef", "spec", "statics", "fn", "ref_slots", "gather")
 
     def __init__(self, treedef, spec, statics, fn, ref_pos):
         self.treedef = treedef
         self.spec = spec
         self.statics = statics
         self.fn = fn
-        # Array leaves: (position, index of their output).
-        self.positions = tuple(
-            (i, k) for i, k in enumerate(spec) if k >= 0 and i not in ref_pos
+        # For each leaf: the index of its output (arrays), or -1 (kept: Python
+        # values and ref-mode cells, whose refs stay in the model).
+        self.gather = tuple(
+            k if k >= 0 and i not in ref_pos else -1 for i, k in enumerate(spec)
         )
         # Ref-mode cells passed by value: (index of their output, first position).
         first: dict[int, int] = {}
@@ -312,6 +313,22 @@ class Step:
             plan = self._plans[key] = _Plan(treedef, spec, statics, fn, ref_pos)
         return plan, dyn, refs
 
+    def _place(self, dyn: list) -> list:
+        """Place the arrays of a model seen for the first time as the step's outputs
+        will be placed, so that the next call sees the same input types."""
+        if self.mesh is not None:
+            # replicated on the mesh
+            return jax.device_put(dyn, self._replicated, donate=self.donate)
+        if not _jax_core.trace_state_clean():
+            return dyn
+        # Committed to their device. jit caches on committedness, and arrays get
+        # committed behind our back (an eager read of a ref-mode cell does it), which
+        # would otherwise cost a recompilation.
+        return [
+            x if getattr(x, "committed", True) else jax.device_put(x, x.sharding)
+            for x in dyn
+        ]
+
     def __call__(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
         last = self._last
         if (
@@ -324,38 +341,25 @@ class Step:
             # and the arrays are known: no flattening, no splitting.
             _, _, plan, leaves, dyn = last
             for k, i in plan.ref_slots:
-                dyn[k] = leaves[i]._refs._buf
+                buf = leaves[i]._refs._buf  # may have been replaced by an eager write
+                dyn[k] = buf if buf.committed else jax.device_put(buf, buf.sharding)
             refs: list = []
         else:
             leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
             plan, dyn, refs = self._plan(leaves, treedef)
-            if self.mesh is not None:
-                # place the model as the step's outputs are placed (replicated on the
-                # mesh), so the second call sees the same input types: no retrace
-                dyn = jax.device_put(dyn, self._replicated, donate=self.donate)
-            elif _jax_core.trace_state_clean():
-                # Commit every array to its device. jit caches on committedness, and
-                # arrays get committed behind our back (an eager read of a ref-mode
-                # cell does it), which would otherwise cost a recompilation.
-                dyn = [
-                    x
-                    if getattr(x, "committed", True)
-                    else jax.device_put(x, x.sharding)
-                    for x in dyn
-                ]
         try:
+            if last is None or dyn is not last[4]:
+                dyn = self._place(dyn)
             outs, aux = plan.fn(dyn, refs, args, kwargs)
         except (ValueError, RuntimeError) as e:
             _reraise_stale(e, (model, opt_state))
             raise
-        leaves = list(leaves)
-        for i, k in plan.positions:
-            leaves[i] = outs[k]
+        leaves = [outs[k] if k >= 0 else old for k, old in zip(plan.gather, leaves)]
         for k, i in plan.ref_slots:
             # A ref-mode cell: put the new value into the ref in place (as JAX does
             # after a call with ref arguments); the model keeps the same ref.
             leaves[i]._refs._buf = outs[k]
-        new_model, new_opt_state = jax.tree_util.tree_unflatten(plan.treedef, leaves)
+        new_model, new_opt_state = plan.treedef.unflatten(leaves)
         self._last = (new_model, new_opt_state, plan, leaves, outs)
         if self.has_aux:
             return new_model, new_opt_state, aux
