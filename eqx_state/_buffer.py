@@ -20,8 +20,16 @@ _REF_KIND = "no_grad_no_remat"
 # plain refs raise on the first and silently write twice on the second.
 
 
+try:  # a view of a ref (`ref.at[i]`), e.g. one layer of a stacked state in a scan
+    from jax._src.state.types import TransformedRef as _TransformedRef
+
+    _REF_TYPES: tuple[type, ...] = (jax.Ref, _TransformedRef)
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _REF_TYPES = (jax.Ref,)
+
+
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, jax.Ref)
+    return isinstance(x, _REF_TYPES)
 
 
 def _to_value(x: Any) -> Any:
