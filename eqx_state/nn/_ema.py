@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PyTree
+
+from .._buffer import BatchStat, CounterState, _is_param, is_state, params
+
+
+_Model = TypeVar("_Model")
+
+
+class EMA(eqx.Module):
+    r"""An exponential moving average (Polyak average) of a model's parameters, kept
+    as state.
+
+    The average lives in [`eqx_state.BatchStat`][] cells, so it is not a parameter:
+    [`eqx_state.params`][] leaves it out and no optimizer touches it, even when the
+    `EMA` is stored inside the model it averages. Each `update(model)` (in training
+    mode) does, with $t$ counting the updates after the warm-up,
+
+    $$d_t = \begin{cases} 0 & t \le 0 \text{ (warm-up: copy the value)} \\
+    \min(d, \tfrac{t}{t + 9}) & \text{with } \texttt{dynamic\_decay} \\
+    d & \text{otherwise} \end{cases}, \qquad
+    h \leftarrow d_t\, h + (1 - d_t)\, p,$$
+
+    and the average is $h$, or $h / (1 - d^t)$ with `zero_debias=True`. This is
+    Haiku's `ExponentialMovingAverage` (`zero_debias`, `warmup_length`: the first
+    `warmup_length` updates copy the value) and TensorFlow's `num_updates` decay
+    schedule (`dynamic_decay`: $\min(d, \frac{1 + n}{10 + n})$ with $n = t - 1$ the
+    number of earlier updates). One difference from Haiku: without zero-debiasing
+    the average starts at the parameters the `EMA` was built from, not at zero
+    (which would pull averaged weights towards zero). PyTorch's
+    `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))` copies the
+    parameters on its first `update_parameters` and averages afterwards: the same
+    numbers as `warmup_length=1`, or as the default when the first update sees the
+    parameters the `EMA` was built from.
+
+    Read the result with `averaged(model)` (the model with averaged parameters,
+    for evaluation: the functional form of PyTorch's swap) or `average` (just the
+    averaged parameters). In evaluation
+    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) `update` writes nothing.
+
+    **Arguments:**
+
+    - `model`: the model (any pytree) whose parameters ([`eqx_state.params`][]:
+        inexact arrays outside state cells) are averaged. Later `update` /
+        `averaged` calls take a model of the same structure.
+    - `decay`: the decay $d \in [0, 1)$; close to 1 averages over more steps.
+    - `zero_debias`: start the average at zero and divide by $1 - d^t$ (Adam's bias
+        correction), so that it is the exact weighted mean of the values seen.
+    - `warmup_length`: the number of first updates that copy the value instead of
+        averaging it (Haiku's `warmup_length`). Cannot be combined with
+        `zero_debias`.
+    - `dynamic_decay`: use $\min(d, \frac{1 + n}{10 + n})$ after $n$ earlier
+        updates, so that early averages forget their start quickly. Cannot be
+        combined with `zero_debias`.
+    - `inference`: start in evaluation mode (no updates).
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp, optax
+    import eqx_state as es
+
+    class Model(eqx.Module):
+        net: eqx.nn.Linear
+        ema: es.nn.EMA
+
+        def __init__(self, key):
+            self.net = eqx.nn.Linear(2, 1, key=key)
+            self.ema = es.nn.EMA(self.net, decay=0.9)
+
+    def loss_fn(model, x, y):
+        model.ema.update(model.net)  # averages the parameters the step starts from
+        return jnp.mean((jax.vmap(model.net)(x)[:, 0] - y) ** 2)
+
+    model = Model(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    for _ in range(3):
+        model, opt_state = step(model, opt_state, jnp.ones((4, 2)), jnp.zeros(4))
+    eval_net = model.ema.averaged(model.net)  # the Linear with averaged weights
+    ```
+    """
+
+    hidden: tuple[BatchStat, ...]
+    count: CounterState
+    treedef: Any = eqx.field(static=True)
+    decay: float = eqx.field(static=True)
+    zero_debias: bool = eqx.field(static=True)
+    warmup_length: int = eqx.field(static=True)
+    dynamic_decay: bool = eqx.field(static=True)
+    inference: bool
+
+    def __init__(
+        self,
+        model: PyTree,
+        decay: float = 0.999,
+        *,
+        zero_debias: bool = False,
+        warmup_length: int = 0,
+        dynamic_decay: bool = False,
+        inference: bool = False,
+    ):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA: decay must be in [0, 1), got {decay}.")
+        if warmup_length < 0:
+            raise ValueError(
+                f"EMA: warmup_length must be non-negative, got {warmup_length}."
+            )
+        if zero_debias and warmup_length:
+            raise ValueError(
+                "EMA: zero_debias=True cannot be combined with warmup_length > 0: the "
+                "warm-up copies the value into the average, so there is no zero start "
+                "to correct (Haiku raises for the same reason). Drop one of them."
+            )
+        if zero_debias and dynamic_decay:
+            raise ValueError(
+                "EMA: zero_debias=True cannot be combined with dynamic_decay=True: "
+                "the correction 1 - decay**t assumes a constant decay. Drop one of "
+                "them."
+            )
+        leaves, treedef = jax.tree_util.tree_flatten(params(model))
+        if not leaves:
+            raise ValueError(
+                "EMA: the model has no parameters to average (no inexact arrays "
+                "outside state cells)."
+            )
+        if zero_debias:
+            init = [jnp.zeros_like(x) for x in leaves]
+        else:
+            # A copy, never the parameter array itself: a cell and a parameter
+            # holding one array would be one (tied) buffer inside `make_step`.
+            init = [jnp.array(x, copy=True) for x in leaves]
+        self.hidden = tuple(BatchStat(x) for x in init)
+        self.count = CounterState(jnp.zeros((), jnp.int32))
+        self.treedef = treedef
+        self.decay = float(decay)
+        self.zero_debias = zero_debias
+        self.warmup_length = int(warmup_length)
+        self.dynamic_decay = dynamic_decay
+        self.inference = inference
+
+    def _leaves(self, model: PyTree, what: str) -> list[Array]:
+        leaves, treedef = jax.tree_util.tree_flatten(params(model))
+        if treedef != self.treedef:
+            raise ValueError(
+                f"EMA.{what} got a model whose parameters do not have the structure "
+                f"of the model the EMA was built from ({len(leaves)} parameter arrays, "
+                f"expected {len(self.hidden)}). Pass the same kind of model that was "
+                "given to `EMA(...)` (e.g. `model.net`, not the module that holds "
+                f"the EMA).\n  expected: {self.treedef}\n  got:      {treedef}"
+            )
+        for i, (x, cell) in enumerate(zip(leaves, self.hidden)):
+            if x.shape != cell.shape:
+                raise ValueError(
+                    f"EMA.{what}: parameter {i} has shape {x.shape}, but the EMA "
+                    f"keeps an average of shape {cell.shape}. Pass a model with the "
+                    "shapes of the one given to `EMA(...)`."
+                )
+        return leaves
+
+    @property
+    def steps(self) -> Int[Array, ""]:  # noqa: F722
+        """The number of updates made so far (warm-up included)."""
+        return self.count[...]
+
+    def _average_leaves(self) -> list[Array]:
+        hidden = [cell[...] for cell in self.hidden]
+        if not self.zero_debias:
+            return hidden
+        t = self.count[...]
+        out = []
+        for h in hidden:
+            d = jnp.asarray(self.decay, h.dtype)
+            correction = 1 - jnp.power(d, t.astype(h.dtype))
+            # Before the first update there is nothing to correct (and 0 / 0).
+            out.append(jnp.where(t > 0, h / jnp.where(t > 0, correction, 1), h))
+        return out
+
+    @property
+    def average(self) -> PyTree:
+        """The averaged parameters, in the layout of
+        `es.params(model)` (parameters where the model has them, `None` elsewhere).
+        With `zero_debias=True` and no update yet, there is no average: zeros."""
+        return jax.tree_util.tree_unflatten(self.treedef, self._average_leaves())
+
+    def update(self, model: PyTree) -> None:
+        """Fold the current parameters of `model` into the average (nothing in
+        evaluation mode). Works anywhere a state write works: inside a `loss_fn`
+        run by [`eqx_state.make_step`][] (then it averages the parameters the step
+        starts from, before the optimizer moves them), inside
+        [`eqx_state.apply`][], or anywhere in ref mode.
+
+        **Arguments:**
+
+        - `model`: a model with the structure of the one given to `EMA(...)`.
+
+        **Returns:**
+
+        Nothing; the cells are written.
+        """
+        leaves = self._leaves(model, "update")
+        if self.inference:
+            return
+        count = self.count[...] + 1
+        self.count[...] = count
+        t = count - self.warmup_length  # Haiku's counter: <= 0 during warm-up
+        for cell, x in zip(self.hidden, leaves):
+            h = cell[...]
+            dtype = h.dtype
+            d = jnp.asarray(self.decay, dtype)
+            if self.dynamic_decay:
+                n = (t - 1).astype(dtype)
+                d = jnp.minimum(d, (1 + n) / (10 + n))
+            d = jnp.where(t <= 0, jnp.zeros((), dtype), d)
+            x = jax.lax.stop_gradient(x).astype(dtype)
+            cell[...] = d * h + (1 - d) * x
+
+    def averaged(self, model: _Model) -> _Model:
+        """`model` with its parameters replaced by their averages (state cells and
+        everything else kept). Use it to evaluate with the averaged weights. With
+        `zero_debias=True` and no update yet, `model` is returned unchanged.
+
+        **Arguments:**
+
+        - `model`: a model with the structure of the one given to `EMA(...)`.
+
+        **Returns:**
+
+        A model of the same structure holding the averaged parameters.
+        """
+        leaves = self._leaves(model, "averaged")
+        avg = self._average_leaves()
+        if self.zero_debias:
+            started = self.count[...] > 0
+            avg = [jnp.where(started, a, x) for a, x in zip(avg, leaves)]
+        avg = [a.astype(x.dtype) for a, x in zip(avg, leaves)]
+        _, rest = eqx.partition(model, _is_param, is_leaf=is_state)
+        new = jax.tree_util.tree_unflatten(self.treedef, avg)
+        return eqx.combine(new, rest, is_leaf=is_state)

@@ -1,0 +1,184 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Real
+
+from .._buffer import BatchStat, CounterState
+
+
+class RunningNorm(eqx.Module):
+    r"""Normalisation by the running mean and variance of everything seen so far:
+    the observation normaliser of reinforcement learning.
+
+    Each call treats the leading axes of `x` as a batch of inputs of shape
+    `shape`. In training (the default) it first folds the batch into the running
+    moments with Chan et al.'s parallel update,
+
+    $$\delta = \bar x_B - \mu,\quad n' = n + n_B,\quad
+    \mu' = \mu + \delta \tfrac{n_B}{n'},\quad
+    \sigma'^2 = \sigma^2 \tfrac{n}{n'} + \sigma_B^2 \tfrac{n_B}{n'}
+      + \delta^2 \tfrac{n\, n_B}{n'^2},$$
+
+    so that `mean` and `var` are the mean and (population) variance of all inputs
+    seen, however they were split into batches (up to float rounding); then it
+    returns
+    `clip((x - mean) / sqrt(var + eps), -clip, clip)`. In evaluation
+    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) it only normalises.
+    Before any update the statistics are mean 0, variance 1. For per-example
+    code, build it with `axis_name=` and map with [`eqx_state.vmap`][].
+
+    The moments are [`eqx_state.BatchStat`][] cells (float32 by default) and the
+    count an int32 [`eqx_state.CounterState`][] (up to $2^{31} - 1$ inputs).
+
+    **Arguments:**
+
+    - `shape`: the shape of one input (an int for a vector of that size; `()` for
+        scalars).
+    - `eps`: added to the variance before the square root.
+    - `clip`: the bound of the normalised output, or `None` for no clipping.
+    - `axis_name`: a named axis (of [`eqx_state.vmap`][]) whose inputs form one
+        batch: the batch moments are reduced over it, so a
+        per-environment call `es.vmap(policy, axis_name="env")(obs)` updates the
+        moments once with every environment's observation.
+    - `inference`: start in evaluation mode.
+    - `dtype`: the floating dtype of the moments.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    norm = es.to_refs(es.nn.RunningNorm(2))
+    norm(jnp.array([[0.0, 10.0], [2.0, 30.0]]))
+    norm(jnp.array([[4.0, 20.0]]))
+    print(norm.mean[...], norm.var[...])  # [ 2. 20.] [ 2.666667 66.66667 ]
+    ```
+    """
+
+    mean: BatchStat
+    var: BatchStat
+    count: CounterState
+    shape: tuple[int, ...] = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    clip: float | None = eqx.field(static=True)
+    axis_name: Hashable | None = eqx.field(static=True)
+    inference: bool
+
+    def __init__(
+        self,
+        shape: int | Sequence[int] = (),
+        *,
+        eps: float = 1e-8,
+        clip: float | None = 5.0,
+        axis_name: Hashable | None = None,
+        inference: bool = False,
+        dtype=None,
+    ):
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"RunningNorm: shape must be non-negative, got {shape}.")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"RunningNorm: clip must be positive or None, got {clip}.")
+        dtype = jnp.float32 if dtype is None else dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
+        self.shape = shape
+        self.eps = eps
+        self.clip = clip
+        self.axis_name = axis_name
+        self.inference = inference
+        self.mean = BatchStat(jnp.zeros(shape, dtype))
+        self.var = BatchStat(jnp.ones(shape, dtype))
+        self.count = CounterState(jnp.zeros((), jnp.int32))
+
+    @property
+    def std(self) -> Float[Array, "..."]:
+        """`sqrt(var + eps)`, the scale the inputs are divided by."""
+        return jnp.sqrt(self.var[...] + jnp.asarray(self.eps, self.var.dtype))
+
+    def _batch_ndim(self, x: Array) -> int:
+        k = len(self.shape)
+        if x.ndim < k or tuple(x.shape[x.ndim - k :]) != self.shape:
+            raise ValueError(
+                f"RunningNorm(shape={self.shape}) got an input of shape {x.shape}: "
+                f"expected [..., {', '.join(map(str, self.shape))}] (one input of "
+                "shape `shape`, or a batch of them along leading axes)."
+            )
+        return x.ndim - k
+
+    def __call__(self, x: Real[Array, "..."], *, key=None) -> Float[Array, "..."]:
+        """Update the moments with the batch `x` (training mode only) and return it
+        normalised and clipped.
+
+        **Arguments:**
+
+        - `x`: inputs of shape `[*batch, *shape]` (any number of batch axes,
+            none for a single input).
+        - `key`: ignored; accepted for compatibility with `eqx.nn.Sequential`.
+
+        **Returns:**
+
+        An array of the shape of `x`: its dtype if floating (and at least as wide
+        as the moments), else the moments' dtype.
+        """
+        del key
+        nb = self._batch_ndim(x)
+        sdtype = self.mean.dtype
+        if jnp.issubdtype(x.dtype, jnp.floating) and (
+            jnp.finfo(x.dtype).bits >= jnp.finfo(sdtype).bits
+        ):
+            cdtype = x.dtype
+        else:
+            cdtype = sdtype
+        xc = x.astype(cdtype)
+        n = math.prod(x.shape[:nb])
+        if not self.inference and n > 0:
+            self._update(xc, nb, n)
+        expand = (1,) * nb + self.shape
+        mean = self.mean[...].astype(cdtype).reshape(expand)
+        var = self.var[...].astype(cdtype).reshape(expand)
+        y = (xc - mean) / jnp.sqrt(var + jnp.asarray(self.eps, cdtype))
+        if self.clip is not None:
+            c = jnp.asarray(self.clip, cdtype)
+            y = jnp.clip(y, -c, c)
+        out_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else cdtype
+        return y.astype(out_dtype)
+
+    def _update(self, xc: Array, nb: int, n: int) -> None:
+        axes = tuple(range(nb))
+        expand = (1,) * nb + self.shape
+        if self.axis_name is None:
+            batch_n = n
+            batch_mean = jnp.mean(xc, axis=axes)
+            centred = jnp.square(xc - batch_mean.reshape(expand))
+            batch_var = jnp.mean(centred, axis=axes)
+        else:
+            # The batch is spread over the named axis: sum, then centre on the
+            # global mean (two passes, as numerically sound as the local case).
+            batch_n = n * jax.lax.psum(1, self.axis_name)
+            total = jax.lax.psum(jnp.sum(xc, axis=axes), self.axis_name)
+            batch_mean = total / jnp.asarray(batch_n, xc.dtype)
+            centred = jnp.square(xc - batch_mean.reshape(expand))
+            batch_var = jax.lax.psum(
+                jnp.sum(centred, axis=axes), self.axis_name
+            ) / jnp.asarray(batch_n, xc.dtype)
+        mean = self.mean[...].astype(xc.dtype)
+        var = self.var[...].astype(xc.dtype)
+        count = self.count[...]
+        new_count = count + batch_n
+        self.count[...] = new_count
+        # n_B / n' and n / n' in the statistics' dtype; with n = 0 the old moments
+        # get weight 0 and the batch's are copied exactly.
+        b = jnp.asarray(batch_n, xc.dtype) / new_count.astype(xc.dtype)
+        a = count.astype(xc.dtype) / new_count.astype(xc.dtype)
+        delta = batch_mean - mean
+        self.mean[...] = (mean + delta * b).astype(self.mean.dtype)
+        self.var[...] = (var * a + batch_var * b + jnp.square(delta) * (a * b)).astype(
+            self.var.dtype
+        )

@@ -1,0 +1,363 @@
+"""RunningNorm against numpy mean/var over everything seen (any batch split), in
+both storage modes and under transforms."""
+
+import equinox as eqx
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+
+import eqx_state as es
+
+
+def _normalised(x, mean, var, eps=1e-8, clip=5.0):
+    y = (np.asarray(x, np.float64) - mean) / np.sqrt(var + eps)
+    return y if clip is None else np.clip(y, -clip, clip)
+
+
+def _call(mode, norm, x):
+    if mode == "ref":
+        return norm(x), norm
+    return es.apply(lambda m, x: m(x), norm, x)
+
+
+@st.composite
+def _data_and_splits(draw):
+    n = draw(st.integers(1, 40))
+    d = draw(st.integers(1, 3))
+    data = draw(
+        hnp.arrays(
+            np.float32,
+            (n, d),
+            elements=st.floats(
+                -100, 100, width=32, allow_nan=False, allow_infinity=False
+            ),
+        )
+    )
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
+    return data, cuts
+
+
+@settings(max_examples=20, deadline=None)
+@given(_data_and_splits())
+def test_any_split_equals_numpy_over_everything(case):
+    """Chan's parallel update: after any sequence of batches (empty ones included),
+    mean/var equal numpy's over the concatenation."""
+    data, cuts = case
+    norm = es.to_refs(es.nn.RunningNorm(data.shape[1]))
+    bounds = [0, *cuts, len(data)]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        y = norm(jnp.asarray(data[lo:hi]))
+        assert y.shape == (hi - lo, data.shape[1])
+    mean = data.astype(np.float64).mean(0)
+    var = data.astype(np.float64).var(0)
+    scale = np.abs(data).max() + 1
+    np.testing.assert_allclose(norm.mean[...], mean, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(norm.var[...], var, rtol=1e-4, atol=1e-5 * scale**2)
+    assert int(norm.count[...]) == len(data)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_outputs_match_numpy_each_step(mode):
+    """Training: update first, then normalise with the updated moments, clip."""
+    rng = np.random.default_rng(0)
+    norm = es.nn.RunningNorm((2, 3))
+    if mode == "ref":
+        norm = es.to_refs(norm)
+    seen = []
+    for k in range(4):
+        x = (rng.normal(size=(3, 2, 2, 3)) * (k + 1) + k).astype(np.float32)
+        y, norm = _call(mode, norm, jnp.asarray(x))
+        seen.append(x.reshape(-1, 2, 3).astype(np.float64))
+        allx = np.concatenate(seen)
+        mean, var = allx.mean(0), allx.var(0)
+        np.testing.assert_allclose(norm.mean[...], mean, rtol=1e-5, atol=1e-3)
+        np.testing.assert_allclose(norm.var[...], var, rtol=1e-5)
+        np.testing.assert_allclose(y, _normalised(x, mean, var), rtol=1e-5, atol=1e-5)
+    # evaluation: the same moments, nothing written, eager in value mode
+    ev = eqx.nn.inference_mode(norm)
+    x = rng.normal(size=(5, 2, 3)).astype(np.float32)
+    np.testing.assert_allclose(
+        ev(jnp.asarray(x)), _normalised(x, mean, var), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(ev.mean[...], mean, rtol=1e-5, atol=1e-3)
+    assert int(ev.count[...]) == 4 * 6
+    # far inputs are clipped to +-clip
+    far = np.where(np.arange(6).reshape(2, 3) % 2, 1e4, -1e4).astype(np.float32)
+    np.testing.assert_array_equal(ev(jnp.asarray(far)), np.where(far > 0, 5.0, -5.0))
+
+
+def test_clip_none_eps_and_single_input():
+    norm = es.to_refs(es.nn.RunningNorm(2, clip=None, eps=0.5))
+    x = np.array([[0.0, 1.0], [100.0, 3.0], [0.0, 5.0]], np.float32)
+    y = norm(jnp.asarray(x))
+    mean, var = x.mean(0), x.var(0)
+    np.testing.assert_allclose(y, _normalised(x, mean, var, 0.5, None), rtol=1e-5)
+    # a single input (no batch axis) is a batch of one
+    z = np.array([7.0, -1.0], np.float32)
+    yz = norm(jnp.asarray(z))
+    allx = np.concatenate([x, z[None]])
+    assert yz.shape == (2,)
+    np.testing.assert_allclose(norm.mean[...], allx.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(
+        yz, _normalised(z, allx.mean(0), allx.var(0), 0.5, None), rtol=1e-5
+    )
+    far = jnp.asarray([1e4, -1e4])  # no clipping
+    np.testing.assert_allclose(
+        eqx.nn.inference_mode(norm)(far),
+        _normalised(far, allx.mean(0), allx.var(0), 0.5, None),
+        rtol=1e-5,
+    )
+    assert float(eqx.nn.inference_mode(norm)(far)[0]) > 100
+
+
+def test_scalar_inputs_and_integer_dtype():
+    norm = es.to_refs(es.nn.RunningNorm())  # scalars: every axis is a batch axis
+    x = np.arange(24, dtype=np.uint8).reshape(4, 6)
+    y = norm(jnp.asarray(x))
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(norm.mean[...], x.mean(), rtol=1e-6)
+    np.testing.assert_allclose(norm.var[...], x.var(), rtol=1e-6)
+    np.testing.assert_allclose(y, _normalised(x, x.mean(), x.var()), rtol=1e-5)
+
+
+class Policy(eqx.Module):
+    norm: es.nn.RunningNorm
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.norm = es.nn.RunningNorm(3)
+        self.linear = eqx.nn.Linear(3, 1, key=key)
+
+    def __call__(self, obs):
+        return jax.vmap(self.linear)(self.norm(obs))[:, 0]
+
+
+def _loss(model, obs, target):
+    return jnp.mean((model(obs) - target) ** 2)
+
+
+def _hand_threaded(model, batches, targets, lr):
+    """The same training written without eqx_state, in numpy: moments threaded by
+    hand, the linear layer trained by SGD on the mean squared error with its
+    gradient written out."""
+    w = np.asarray(model.linear.weight, np.float64)
+    b = np.asarray(model.linear.bias, np.float64)
+    seen = []
+    for obs, target in zip(batches, targets):
+        seen.append(np.asarray(obs, np.float64))
+        allx = np.concatenate(seen)
+        z = _normalised(obs, allx.mean(0), allx.var(0))
+        r = z @ w[0] + b[0] - target  # residuals, shape [N]
+        w = w - lr * (2 / len(r)) * (r @ z)[None]
+        b = b - lr * (2 / len(r)) * np.sum(r, keepdims=True)
+    return allx.mean(0), allx.var(0), w, b
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_make_step_matches_hand_threaded(mode, getkey):
+    rng = np.random.default_rng(1)
+    model = Policy(getkey())
+    batches = [rng.normal(size=(6, 3)).astype(np.float32) * 3 + 1 for _ in range(3)]
+    targets = [rng.normal(size=(6,)).astype(np.float32) for _ in range(3)]
+    mean, var, w, b = _hand_threaded(model, batches, targets, 0.1)
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(_loss, optax.sgd(0.1))
+    opt_state = step.init(model)
+    for obs, target in zip(batches, targets):
+        model, opt_state = step(model, opt_state, jnp.asarray(obs), jnp.asarray(target))
+    assert step.trace_count == 1
+    np.testing.assert_allclose(model.norm.mean[...], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.norm.var[...], var, rtol=1e-5)
+    np.testing.assert_allclose(model.linear.weight, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.linear.bias, b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_is_not_trained_by_adamw(getkey):
+    model = Policy(getkey())
+    assert len(jax.tree_util.tree_leaves(es.params(model))) == 2  # the Linear only
+    obs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 3)), jnp.float32)
+    step = es.make_step(_loss, optax.adamw(0.1, weight_decay=0.5), donate=False)
+    new, _ = step(model, step.init(model), obs, jnp.ones(5))
+    np.testing.assert_allclose(new.norm.mean[...], np.asarray(obs).mean(0), rtol=1e-6)
+    np.testing.assert_allclose(new.norm.var[...], np.asarray(obs).var(0), rtol=1e-5)
+    assert int(new.norm.count[...]) == 5
+    assert not np.allclose(new.linear.weight, model.linear.weight)
+
+
+def test_grad_has_no_path_into_state():
+    """The output is differentiable in `x` (through the freshly updated moments the
+    gradient is that of a fixed affine map: state is not differentiated)."""
+    norm = es.to_refs(es.nn.RunningNorm(2, clip=None))
+    x = jnp.asarray([[1.0, 2.0], [3.0, 5.0]])
+    g = jax.grad(lambda x: jnp.sum(norm(x)))(x)
+    var = np.asarray(x).var(0)
+    np.testing.assert_allclose(
+        g, np.broadcast_to(1 / np.sqrt(var + 1e-8), (2, 2)), rtol=1e-5
+    )
+    np.testing.assert_allclose(norm.mean[...], np.asarray(x).mean(0))
+
+
+def test_jit_compiles_once():
+    norm = es.nn.RunningNorm(3)
+
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def run(norm, x):
+        return es.apply(lambda m, x: m(x), norm, x)
+
+    xs = np.random.default_rng(3).normal(size=(4, 5, 3)).astype(np.float32)
+    for x in xs:
+        _, norm = run(norm, jnp.asarray(x))
+    flat = xs.reshape(-1, 3)
+    np.testing.assert_allclose(norm.mean[...], flat.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norm.var[...], flat.var(0), rtol=1e-5)
+
+
+def test_vmap_over_ensemble_equals_solo_runs():
+    """An ensemble (one normaliser per environment group) under vmap: each member's
+    moments are those of its own data."""
+    xs = jnp.asarray(np.random.default_rng(4).normal(size=(3, 2, 4, 2)), jnp.float32)
+    norms = eqx.filter_vmap(lambda _: es.nn.RunningNorm(2), axis_size=3)(jnp.arange(3))
+
+    def run(norm, batches):
+        for x in batches:
+            y, norm = es.apply(lambda m, x: m(x), norm, x)
+        return norm, y
+
+    trained, ys = eqx.filter_jit(eqx.filter_vmap(run))(norms, xs)
+    for i in range(3):
+        solo, y = run(es.nn.RunningNorm(2), xs[i])
+        np.testing.assert_allclose(trained.mean[...][i], solo.mean[...], rtol=1e-6)
+        np.testing.assert_allclose(trained.var[...][i], solo.var[...], rtol=1e-6)
+        np.testing.assert_allclose(ys[i], y, rtol=1e-6)
+        flat = np.asarray(xs[i]).reshape(-1, 2)
+        np.testing.assert_allclose(solo.var[...], flat.var(0), rtol=1e-5)
+
+
+def test_scan_over_updates():
+    xs = np.random.default_rng(5).normal(size=(6, 4, 2)).astype(np.float32) * 2 + 3
+
+    def run(norm, xs):
+        return jax.lax.scan(lambda c, x: (c, norm(x)), None, xs)[1]
+
+    ys, norm = eqx.filter_jit(lambda m, xs: es.apply(run, m, xs))(
+        es.nn.RunningNorm(2), jnp.asarray(xs)
+    )
+    flat = xs.reshape(-1, 2).astype(np.float64)
+    np.testing.assert_allclose(norm.mean[...], flat.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(norm.var[...], flat.var(0), rtol=1e-5)
+    assert int(norm.count[...]) == 24
+    np.testing.assert_allclose(
+        ys[-1], _normalised(xs[-1], flat.mean(0), flat.var(0)), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_checkpoint_under_grad_updates_once(mode, getkey):
+    def remat_loss(model, obs, target):
+        return eqx.filter_checkpoint(_loss)(model, obs, target)
+
+    obs = jnp.asarray(np.random.default_rng(6).normal(size=(2, 5, 3)), jnp.float32)
+    results = []
+    key = getkey()
+    for loss in (_loss, remat_loss):
+        model = Policy(key)
+        if mode == "ref":
+            model = es.to_refs(model)
+        step = es.make_step(loss, optax.sgd(0.1))
+        opt_state = step.init(model)
+        for o in obs:
+            model, opt_state = step(model, opt_state, o, jnp.zeros(5))
+        assert int(model.norm.count[...]) == 10
+        results.append([model.norm.mean[...], model.norm.var[...], model.linear.weight])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    flat = np.asarray(obs).reshape(-1, 3)
+    np.testing.assert_allclose(results[1][1], flat.var(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_per_example_es_vmap_with_axis_name_equals_batched_call(mode):
+    """`es.vmap(norm, axis_name=...)` over environments (each with a small batch of
+    its own) updates the moments once, as a call on all the data."""
+    rng = np.random.default_rng(7)
+    xs = [rng.normal(size=(4, 2, 3)).astype(np.float32) * 2 + 1 for _ in range(2)]
+    norm = es.nn.RunningNorm(3, axis_name="env")
+    flat = es.nn.RunningNorm(3)
+    if mode == "ref":
+        norm, flat = es.to_refs(norm), es.to_refs(flat)
+    run = lambda m, x: es.vmap(m, axis_name="env")(x)  # noqa: E731
+    for x in xs:
+        y, norm = es.apply(run, norm, jnp.asarray(x))
+        y_flat, flat = es.apply(lambda m, x: m(x), flat, jnp.asarray(x).reshape(-1, 3))
+        np.testing.assert_allclose(y.reshape(-1, 3), y_flat, rtol=1e-5, atol=1e-6)
+    allx = np.concatenate(xs).reshape(-1, 3).astype(np.float64)
+    assert int(norm.count[...]) == 16
+    np.testing.assert_allclose(norm.mean[...], allx.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norm.var[...], allx.var(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_save_load_round_trip(mode, tmp_path, getkey):
+    key = getkey()
+    model = Policy(key)
+    if mode == "ref":
+        model = es.to_refs(model)
+    obs = jnp.asarray(np.random.default_rng(8).normal(size=(2, 5, 3)), jnp.float32)
+    step = es.make_step(_loss, optax.sgd(0.1))
+    opt_state = step.init(model)
+    model, opt_state = step(model, opt_state, obs[0], jnp.zeros(5))
+    es.save(tmp_path / "ckpt", model)
+    fresh = Policy(key)
+    loaded = es.load(tmp_path / "ckpt", es.to_refs(fresh) if mode == "ref" else fresh)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(es.freeze(loaded)),
+        jax.tree_util.tree_leaves(es.freeze(model)),
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.norm.count[...]) == 5
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_inference_mode_does_not_update(mode):
+    norm = es.nn.RunningNorm(2)
+    if mode == "ref":
+        norm = es.to_refs(norm)
+    ev = eqx.nn.inference_mode(norm)
+    x = jnp.asarray([[3.0, 4.0], [5.0, 6.0]])
+    y = ev(x)  # initial moments: mean 0, var 1
+    np.testing.assert_allclose(y, np.clip(np.asarray(x) / np.sqrt(1 + 1e-8), -5, 5))
+    _, ev = es.apply(lambda m, x: m(x), ev, x)
+    assert int(ev.count[...]) == 0
+    np.testing.assert_array_equal(ev.mean[...], np.zeros(2))
+
+
+def test_errors():
+    norm = es.to_refs(es.nn.RunningNorm((2, 3)))
+    with pytest.raises(
+        ValueError,
+        match=r"got an input of shape \(4, 3, 2\): expected \[\.\.\., 2, 3\]",
+    ):
+        norm(jnp.ones((4, 3, 2)))
+    with pytest.raises(ValueError, match=r"got an input of shape \(3,\)"):
+        norm(jnp.ones(3))
+    with pytest.raises(ValueError, match="clip must be positive or None"):
+        es.nn.RunningNorm(2, clip=0.0)
+    with pytest.raises(ValueError, match="dtype must be floating"):
+        es.nn.RunningNorm(2, dtype=jnp.int32)
+    value = es.nn.RunningNorm(2)
+    with pytest.raises(es.StateWriteError, match="no step is running"):
+        value(jnp.ones((3, 2)))
+    # per-example jax.vmap in training: the statistic needs the whole batch
+    with pytest.raises(es.StateWriteError, match="inside `jax.vmap`"):
+        es.apply(lambda m, x: jax.vmap(m)(x), value, jnp.ones((4, 2)))
+    # es.vmap without axis_name: each example would write its own moments
+    x = jnp.arange(8.0).reshape(4, 2)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="wrote different values"):
+        es.apply(lambda m, x: es.vmap(m)(x), value, x)
