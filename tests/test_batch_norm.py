@@ -135,3 +135,11 @@ def test_bfloat16_input_keeps_dtype_and_float32_stats():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_integer_input_fails_at_the_call():
+    """Public layers are annotated with jaxtyping; in the tests beartype checks them,
+    so a wrong dtype fails at the call with a readable message."""
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    with pytest.raises(Exception, match=r"(?s)Type-check error.*BatchNorm"):
+        bn(jnp.ones((4, 3), jnp.int32))
