@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._step import Step as Step, apply as apply, make_step as make_step
 from ._vmap import vmap as vmap
+from .metrics import reset as reset
 
 
 __version__ = "0.1.0"

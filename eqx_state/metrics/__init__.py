@@ -1,1 +1,46 @@
-"""Metrics kept as state: mergeable sufficient statistics updated inside the step."""
+"""Metrics kept as state: mergeable sufficient statistics updated inside the step.
+
+A metric is a stateful layer (an `eqx.Module`) whose [`eqx_state.MetricState`][]
+cells hold sufficient statistics — sums and counts, extremes, moments, a confusion
+matrix. It is updated where the value is computed:
+
+* in the loss function during [`eqx_state.make_step`][] (train metrics; the step
+  still compiles once, and no gradient flows into metric state);
+* in an evaluation loop, through [`eqx_state.apply`][] (value mode, jit-able, also
+  inside `lax.scan`) or in place in ref mode ([`eqx_state.to_refs`][]).
+
+`update(...)` writes, `compute()` reads, `a.merge(b)` combines two metrics into a new
+one (pure, associative), `metric.reduce(axis_name)` combines them over a named axis
+(`vmap` / `shard_map` / `pmap`), and [`eqx_state.metrics.reset`][] starts every
+metric in a model over without touching other state.
+
+Metrics have no `inference` flag and keep updating under
+[`eqx.nn.inference_mode`][equinox.nn.inference_mode]: evaluation is where they are
+used most.
+
+Masks and sample weights: every `update` takes `mask=` (entries where it is false
+contribute nothing, even NaN ones: use it for padded batches); all but `Min`, `Max`
+and `LastValue` take `sample_weight=`. Both may have the values' shape or a prefix of
+it (e.g. `[batch]` for per-token values `[batch, time]`).
+
+No data, or only masked-out data, never raises: `Mean`, `MeanStd`, `Min`, `Max`,
+`LastValue` and `Accuracy` compute NaN (like `numpy.mean([])`); `Sum` computes 0 and
+`ConfusionMatrix` a zero matrix; `Precision`, `Recall` and `F1` compute 0 for any
+undefined ratio (a class never predicted, no positive labels), as scikit-learn's
+`zero_division=0`.
+"""
+
+from ._accuracy import Accuracy as Accuracy
+from ._base import Metric as Metric
+from ._classification import (
+    F1 as F1,
+    ConfusionMatrix as ConfusionMatrix,
+    Precision as Precision,
+    Recall as Recall,
+)
+from ._collection import Metrics as Metrics
+from ._extrema import Max as Max, Min as Min
+from ._last_value import LastValue as LastValue
+from ._mean import Mean as Mean, Sum as Sum
+from ._mean_std import MeanStd as MeanStd
+from ._reset import reset as reset

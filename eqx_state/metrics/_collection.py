@@ -1,0 +1,149 @@
+"""`Metrics`: a named collection of metrics updated from one call."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import ArrayLike, Shaped
+
+from ._base import Metric
+
+
+_RESERVED = ("mask",)
+
+
+class Metrics(eqx.Module):
+    """A named collection of metrics: one `update` call updates several of them, one
+    `compute` call returns a dict.
+
+    The collection is an `eqx.Module` like its members, so it can live in a model
+    (updated in the loss function during [`eqx_state.make_step`][]) or on its own.
+    Collections nest: a member may itself be a `Metrics`.
+
+    **Arguments:**
+
+    - `metrics`: a dict from names to metrics; or pass them as keyword arguments.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    metrics = es.to_refs(
+        es.metrics.Metrics(loss=es.metrics.Mean(), accuracy=es.metrics.Accuracy())
+    )
+    logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+    labels = jnp.array([0, 0, 0])
+    metrics.update(loss=jnp.array([0.1, 1.3, 0.1]), accuracy=(logits, labels))
+    result = metrics.compute()
+    assert abs(float(result["loss"]) - 0.5) < 1e-6
+    assert abs(float(result["accuracy"]) - 2 / 3) < 1e-6
+    ```
+    """
+
+    metrics: dict[str, Metric | Metrics]
+
+    def __init__(self, metrics: dict[str, Any] | None = None, /, **named: Any):
+        members = dict(metrics or {})
+        for name, metric in named.items():
+            if name in members:
+                raise ValueError(f"Metrics: the name {name!r} is given twice.")
+            members[name] = metric
+        for name, metric in members.items():
+            if not isinstance(name, str) or name in _RESERVED:
+                raise ValueError(
+                    f"Metrics: {name!r} cannot name a metric; names are strings other "
+                    f"than {_RESERVED} (the keyword `update` uses for a shared mask)."
+                )
+            if not isinstance(metric, (Metric, Metrics)):
+                raise TypeError(
+                    f"Metrics: {name!r} is a {type(metric).__name__}, not a metric. "
+                    "Members must be `eqx_state.metrics` metrics (or nested "
+                    "`Metrics`)."
+                )
+        self.metrics = members
+
+    def __getitem__(self, name: str) -> Any:
+        return self.metrics[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.metrics)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    def update(
+        self,
+        values: dict[str, Any] | None = None,
+        /,
+        *,
+        mask: Shaped[ArrayLike, "..."] | None = None,
+        **named: Any,
+    ) -> None:
+        """Update the named metrics; the others are left as they are.
+
+        Each name maps to that metric's `update` arguments: a tuple is passed as
+        positional arguments (`accuracy=(logits, labels)`), a dict as keyword
+        arguments (`loss=dict(values=losses, sample_weight=w)`), anything else as
+        the one positional argument (`loss=loss`). A nested `Metrics` takes a dict
+        of its own members' arguments.
+
+        **Arguments:**
+
+        - `values`: a dict from names to arguments (for names that are not Python
+            identifiers); or pass them as keyword arguments.
+        - `mask`: passed as `mask=` to every metric updated in this call (e.g. the
+            padding mask of the batch), unless its arguments set their own.
+        """
+        given = dict(values or {})
+        given.update(named)
+        unknown = [name for name in given if name not in self.metrics]
+        if unknown:
+            raise ValueError(
+                f"Metrics.update got values for {unknown}, which are not in this "
+                f"collection; its metrics are {list(self.metrics)}."
+            )
+        for name, value in given.items():
+            metric = self.metrics[name]
+            if isinstance(metric, Metrics):
+                if not isinstance(value, dict):
+                    raise TypeError(
+                        f"Metrics.update: {name!r} is a nested Metrics collection, so "
+                        "its value must be a dict of its members' arguments, got a "
+                        f"{type(value).__name__}."
+                    )
+                metric.update(value, mask=mask)
+                continue
+            if isinstance(value, tuple):
+                args, kwargs = value, {}
+            elif isinstance(value, dict):
+                args, kwargs = (), dict(value)
+            else:
+                args, kwargs = (value,), {}
+            if mask is not None:
+                kwargs.setdefault("mask", mask)
+            metric.update(*args, **kwargs)
+
+    def compute(self) -> dict[str, Any]:
+        """`{name: metric.compute()}` for every metric (nested collections give
+        nested dicts)."""
+        return {name: metric.compute() for name, metric in self.metrics.items()}
+
+    def merge(self, other: Any) -> Metrics:
+        """Merge member by member with a collection of the same names (see
+        [`eqx_state.metrics.Metric.merge`][]); returns a new value-mode collection."""
+        if not isinstance(other, Metrics) or set(other.metrics) != set(self.metrics):
+            theirs = list(other.metrics) if isinstance(other, Metrics) else other
+            raise ValueError(
+                f"Metrics.merge: the collections hold different metrics "
+                f"({list(self.metrics)} vs {theirs}); merge collections built alike."
+            )
+        return Metrics({k: m.merge(other.metrics[k]) for k, m in self.metrics.items()})
+
+    def reduce(self, axis_name: Hashable) -> Metrics:
+        """Reduce every member over the named axis `axis_name` (see
+        [`eqx_state.metrics.Metric.reduce`][]); returns a new value-mode collection."""
+        return Metrics({k: m.reduce(axis_name) for k, m in self.metrics.items()})

@@ -1,0 +1,128 @@
+"""`LastValue`: the most recent value (a learning rate, the loss of the last step)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Real, Shaped
+
+from .._buffer import MetricState
+from ._base import Metric, _cell, _fit, _iota_like, _truthy
+
+
+class LastValue(Metric):
+    """The most recent value given to `update` (e.g. the loss of the last step, the
+    current learning rate).
+
+    Statistics: the `value` (of the fixed `shape`) and the `count` of values seen.
+    `a.merge(b)` keeps `b`'s value if `b` has seen any, else `a`'s, so merging is
+    associative and "last" means last in the order of the data. Over a named axis,
+    the value comes from the highest axis index that has one (the last shard of the
+    global batch).
+
+    **Arguments:**
+
+    - `shape`: the shape of one value (default `()`, a scalar).
+    - `axis_name`: reduce each update over this named axis (see
+        [`eqx_state.metrics.Metric`][]).
+    - `dtype`: the dtype of the value (default float32).
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    last = es.to_refs(es.metrics.LastValue())
+    last.update(0.5)
+    last.update(jnp.array([0.4, 0.3, 0.2]), mask=jnp.array([True, True, False]))
+    assert float(last.compute()) == jnp.float32(0.3)
+    ```
+    """
+
+    value: MetricState
+    count: MetricState
+    shape: tuple[int, ...] = eqx.field(static=True)
+
+    _kinds = {"value": "last", "count": "sum"}
+
+    def __init__(
+        self,
+        shape: tuple[int, ...] = (),
+        *,
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
+    ):
+        self.shape = tuple(shape)
+        self.value = _cell("last", self.shape, dtype)
+        self.count = _cell("sum", (), jnp.int32)
+        self.axis_name = axis_name
+
+    def update(
+        self,
+        value: Real[ArrayLike, "..."],
+        *,
+        mask: Shaped[ArrayLike, "..."] | None = None,
+    ) -> None:
+        """Record `value`.
+
+        **Arguments:**
+
+        - `value`: one value of shape `shape`, or a batch of them, of shape
+            `[n, *shape]`, of which the last one (the last unmasked one) is kept.
+        - `mask`: a scalar for one value (`False`: ignore it), or shape `[n]` for a
+            batch.
+        """
+        dtype = self.value.dtype
+        value = jnp.asarray(value).astype(dtype)
+        if value.shape == self.shape:
+            value = value[None]
+            if mask is not None:
+                mask = jnp.reshape(jnp.asarray(mask), (1,))
+        elif value.shape[1:] != self.shape:
+            raise ValueError(
+                f"LastValue(shape={self.shape}) got a value of shape {value.shape}: "
+                f"expected one value of shape {self.shape} or a batch of shape "
+                f"[n, *{self.shape}]. Build the metric with the shape of one value, "
+                "e.g. `LastValue(shape=x.shape)`."
+            )
+        n = value.shape[0]
+        trailing = tuple(range(1, value.ndim))
+        keep = jnp.all(jnp.ones_like(value, dtype=bool), axis=trailing)  # [n]
+        if mask is not None:
+            keep = keep & _fit("mask", _truthy(mask), (n,))
+        index = _iota_like(keep)
+        last = jnp.max(jnp.where(keep, index, -1), initial=-1)
+        count = jnp.sum(keep.astype(jnp.int32))
+        # a masked sum rather than `value[last]`: no dynamic index, so it also works
+        # on a batch sharded across devices
+        chosen = (index == last).reshape((n,) + (1,) * len(self.shape))
+        picked = jnp.sum(jnp.where(chosen, value, jnp.zeros_like(value)), axis=0)
+        self._accumulate((picked, count))
+
+    def _combine(self, a: tuple[Array, ...], b: tuple[Array, ...]) -> tuple[Array, ...]:
+        va, na = a
+        vb, nb = b
+        return jnp.where(nb > 0, vb, va), na + nb
+
+    def _reduce_states(
+        self, states: tuple[Array, ...], axis_name: Hashable
+    ) -> tuple[Array, ...]:
+        value, count = states
+        me = jax.lax.axis_index(axis_name)
+        best = jax.lax.pmax(jnp.where(count > 0, me, -1), axis_name)
+        chosen = jnp.where(me == best, value, jnp.zeros_like(value))
+        return jax.lax.psum(chosen, axis_name), jax.lax.psum(count, axis_name)
+
+    def _result(self, states: tuple[Array, ...]) -> Array:
+        value, count = states
+        if jnp.issubdtype(value.dtype, jnp.inexact):
+            return jnp.where(count > 0, value, jnp.nan)
+        return value
+
+    def compute(self) -> Real[Array, "..."]:
+        """The last value recorded; NaN (for float dtypes) if none was."""
+        return self._result(self._read())
