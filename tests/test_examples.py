@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ def load(name):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses (eqx.Module) look their module up here
     spec.loader.exec_module(module)
     return module
 
@@ -100,3 +102,33 @@ def test_user_layer_in_make_step_both_modes():
         ev = eqx.nn.inference_mode(model)
         ev(100.0 + xs[0])
         np.testing.assert_allclose(model.peak.peak[...], expected, rtol=1e-6)
+
+
+def test_train_digits_tiny(tmp_path, capsys):
+    """The headline example at a tiny size: metrics, EMA evaluation, checkpoint, plot."""
+    from sklearn.metrics import accuracy_score
+
+    import eqx_state as es
+
+    example = load("train_digits")
+    result = example.main(
+        ["--epochs", "2", "--train-size", "256", "--quiet", "--out", str(tmp_path)]
+    )
+    history, trainer = result["history"], result["trainer"]
+    assert all(len(v) == 2 for v in history.values())
+    assert result["step"].trace_count == 1
+    # the reported test accuracy is sklearn's accuracy of the EMA model's predictions
+    x_te, y_te = result["test"]
+    preds = np.asarray(example.predict(trainer.ema.averaged(trainer.net), jnp.asarray(x_te)))
+    assert history["test_accuracy_ema"][-1] == accuracy_score(y_te, preds)
+    # the last epoch's training metrics saw all of its 4 batches of 64 images
+    assert float(trainer.accuracy.total[...]) == 256
+    # the checkpoint restores the trainer and optimizer state exactly
+    like = (example.Trainer(jax.random.key(1)), result["step"].init(example.Trainer(jax.random.key(1))))
+    loaded, _ = es.load(tmp_path / "digits.eqxs", like=like)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trainer)):
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (tmp_path / "digits_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "test accuracy with EMA weights" in capsys.readouterr().out

@@ -1,0 +1,250 @@
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from ._kv_cache import KVCache
+
+
+def _attend(
+    q: Float[Array, "q heads d"],
+    k: Float[Array, "heads t d"],
+    v: Float[Array, "heads t d"],
+    mask: Bool[Array, "q t"],
+) -> Float[Array, "q heads d"]:
+    logits = jnp.einsum("qhd,htd->hqt", q, k) / math.sqrt(q.shape[-1])
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("hqt,htd->qhd", weights, v)
+
+
+class CausalSelfAttention(eqx.Module):
+    """Multi-head causal self-attention that decodes with a [`eqx_state.nn.KVCache`][]
+    kept inside the layer.
+
+    On a sequence `x` of shape `[seq, embed_dim]` (one example, Equinox's
+    convention; `jax.vmap` it over a batch) it computes
+    `softmax(q k^T / sqrt(head_dim) + causal mask) v` per head, with `q, k, v` and
+    the output from `eqx.nn.Linear` projections named as in
+    `eqx.nn.MultiheadAttention` (`query_proj`, `key_proj`, `value_proj`,
+    `output_proj`).
+
+    - Without a cache (`cache=None`, the default): the full causal forward, position
+        `i` attends to positions `0..i` of `x`.
+    - With a cache ([`eqx_state.nn.with_kv_cache`][] or `max_len=`): `x` is the next
+        chunk of the sequence (a prompt, or one token at a time). Its keys and values
+        are written into the cache at the cursor, and position `i` of the chunk
+        attends to every cached position up to `cursor + i`. Decoding a sequence chunk
+        by chunk gives the same outputs as the full forward on the whole sequence.
+        Each call writes state: run it through [`eqx_state.apply`][] (value mode) or
+        in ref mode ([`eqx_state.to_refs`][]).
+
+    **Arguments:**
+
+    - `embed_dim`: the size of the input and output features.
+    - `num_heads`: the number of heads; must divide `embed_dim`.
+    - `max_len`: if given, build the layer with a cache of this many positions.
+    - `use_bias`: whether the projections have biases.
+    - `dtype`: the dtype of the parameters and the cache (default float32).
+    - `on_overflow`: the cache's overflow policy, see [`eqx_state.nn.KVCache`][].
+    - `key`: a `jax.random.key` for the initialisation.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    import eqx_state as es
+
+    attn = es.nn.CausalSelfAttention(8, num_heads=2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    full = attn(x)                                  # the uncached causal forward
+    cached = es.to_refs(es.nn.with_kv_cache(attn, max_len=16))
+    steps = jnp.concatenate([cached(x[:3]), cached(x[3:4]), cached(x[4:5])])
+    assert jnp.allclose(full, steps, atol=1e-5)
+    ```
+    """
+
+    query_proj: eqx.nn.Linear
+    key_proj: eqx.nn.Linear
+    value_proj: eqx.nn.Linear
+    output_proj: eqx.nn.Linear
+    cache: KVCache | None
+    embed_dim: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        max_len: int | None = None,
+        use_bias: bool = True,
+        dtype=None,
+        on_overflow: Literal["raise", "nan"] = "raise",
+        key: PRNGKeyArray,
+    ):
+        if num_heads <= 0 or embed_dim % num_heads:
+            raise ValueError(
+                f"CausalSelfAttention: num_heads={num_heads} must be positive and "
+                f"divide embed_dim={embed_dim}."
+            )
+        dtype = jnp.float32 if dtype is None else dtype
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        lin = lambda k: eqx.nn.Linear(  # noqa: E731
+            embed_dim, embed_dim, use_bias=use_bias, dtype=dtype, key=k
+        )
+        self.query_proj, self.key_proj = lin(kq), lin(kk)
+        self.value_proj, self.output_proj = lin(kv), lin(ko)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.cache = (
+            None
+            if max_len is None
+            else KVCache(
+                max_len, num_heads, self.head_dim, dtype=dtype, on_overflow=on_overflow
+            )
+        )
+
+    def position(self) -> Int[Array, ""]:
+        """The position of the next input: the cache's cursor, or 0 without a cache
+        (for positional encodings)."""
+        if self.cache is None:
+            return jnp.zeros((), jnp.int32)
+        return self.cache.length
+
+    def _heads(self, proj: eqx.nn.Linear, x: Array) -> Array:
+        return jax.vmap(proj)(x).reshape(x.shape[0], self.num_heads, self.head_dim)
+
+    def __call__(
+        self, x: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq embed"]:
+        """Attend causally over `x` (and, with a cache, over the cached positions).
+
+        **Arguments:**
+
+        - `x`: `[seq, embed_dim]`: the whole sequence (no cache) or its next chunk
+            (with a cache).
+        - `key`: ignored; accepted for compatibility with `eqx.nn.Sequential`.
+
+        **Returns:**
+
+        `[seq, embed_dim]`.
+        """
+        del key
+        if x.ndim != 2 or x.shape[1] != self.embed_dim:
+            raise ValueError(
+                f"CausalSelfAttention(embed_dim={self.embed_dim}) expects one sequence "
+                f"of shape [seq, {self.embed_dim}], got {x.shape}. For a batch, use "
+                "`jax.vmap(attn)(x)`."
+            )
+        seq = x.shape[0]
+        q = self._heads(self.query_proj, x)
+        k = self._heads(self.key_proj, x)
+        v = self._heads(self.value_proj, x)
+        if self.cache is None:
+            k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+            mask = jnp.tril(jnp.ones((seq, seq), bool))
+        else:
+            start, k, v = self.cache.append(k, v)
+            query_pos = start + jnp.arange(seq, dtype=start.dtype)
+            key_pos = jnp.arange(self.cache.max_len, dtype=start.dtype)
+            mask = key_pos[None, :] <= query_pos[:, None]
+        out = _attend(q, k, v, mask).reshape(seq, self.embed_dim)
+        return jax.vmap(self.output_proj)(out)
+
+
+def _is_attn(x: Any) -> bool:
+    return isinstance(x, CausalSelfAttention)
+
+
+def with_kv_cache(
+    model: Any,
+    max_len: int,
+    *,
+    dtype=None,
+    on_overflow: Literal["raise", "nan"] = "raise",
+) -> Any:
+    """Give every [`eqx_state.nn.CausalSelfAttention`][] in `model` a fresh, empty
+    [`eqx_state.nn.KVCache`][] of `max_len` positions (replacing any cache it had),
+    switching it from the full causal forward to chunk-by-chunk decoding.
+
+    **Arguments:**
+
+    - `model`: any pytree holding attention layers.
+    - `max_len`: the positions each cache holds (prompt plus generated tokens).
+    - `dtype`: the cache dtype (default: the dtype of the layer's key projection).
+    - `on_overflow`: `"raise"` or `"nan"`, see [`eqx_state.nn.KVCache`][].
+
+    **Returns:**
+
+    The model with caches, in value mode (call [`eqx_state.to_refs`][] for ref mode).
+
+    **Example:**
+
+    ```python
+    import jax
+    import eqx_state as es
+
+    attn = es.nn.CausalSelfAttention(8, num_heads=2, key=jax.random.key(0))
+    decoder = es.nn.with_kv_cache(attn, max_len=32)
+    ```
+    """
+
+    def one(x: Any) -> Any:
+        if not _is_attn(x):
+            return x
+        cache = KVCache(
+            max_len,
+            x.num_heads,
+            x.head_dim,
+            dtype=x.key_proj.weight.dtype if dtype is None else dtype,
+            on_overflow=on_overflow,
+        )
+        return eqx.tree_at(lambda a: a.cache, x, cache, is_leaf=lambda c: c is None)
+
+    return jax.tree_util.tree_map(one, model, is_leaf=_is_attn)
+
+
+def without_kv_cache(model: Any) -> Any:
+    """Remove the cache of every [`eqx_state.nn.CausalSelfAttention`][] in `model`:
+    back to the full causal forward (for training or scoring whole sequences).
+
+    **Arguments:**
+
+    - `model`: any pytree holding attention layers.
+
+    **Returns:**
+
+    The model without caches; parameters are shared with `model`.
+    """
+
+    def one(x: Any) -> Any:
+        if not _is_attn(x) or x.cache is None:
+            return x
+        return eqx.tree_at(lambda a: a.cache, x, None)
+
+    return jax.tree_util.tree_map(one, model, is_leaf=_is_attn)
+
+
+def reset_kv_cache(model: Any) -> None:
+    """Set the cursor of every [`eqx_state.nn.KVCache`][] in `model` to 0, to decode
+    a new sequence. This writes state: call it inside [`eqx_state.apply`][] in value
+    mode (`_, model = es.apply(es.nn.reset_kv_cache, model)`), or directly in ref
+    mode.
+
+    **Arguments:**
+
+    - `model`: any pytree holding caches.
+    """
+    for leaf in jax.tree_util.tree_leaves(
+        model, is_leaf=lambda x: isinstance(x, KVCache)
+    ):
+        if isinstance(leaf, KVCache):
+            leaf.reset()

@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import core as jax_core
+from jaxtyping import Array, Float, Int
+
+from .._buffer import Cache
+from .._errors import StateWriteError
+
+
+def _overflow_message(max_len: int) -> str:
+    return (
+        f"KVCache overflow: this write would go past the cache's max_len={max_len} "
+        "positions. A cache holds at most max_len positions (prompt plus generated "
+        "tokens); writing past the end is refused rather than silently clamped. "
+        "Build the cache with a larger max_len (e.g. "
+        "`es.nn.with_kv_cache(model, max_len)`), stop decoding earlier, or call "
+        "`reset()` to start a new sequence."
+    )
+
+
+class KVCache(eqx.Module):
+    """The keys and values of past positions for autoregressive decoding, kept as
+    [`eqx_state.Cache`][] cells: `keys` and `values` of shape
+    `[num_heads, max_len, head_dim]` and an integer `cursor`, the number of
+    positions written so far. (Heads first: attention reads each head's keys as one
+    contiguous `[max_len, head_dim]` block, so no transposed copy of the cache is
+    made at every step.)
+
+    [`append`][eqx_state.nn.KVCache.append] writes a chunk (one token, or a whole
+    prompt) at the cursor in place (`dynamic_update_slice` on the cell, which XLA
+    performs in place: inside a jitted step with donation, or in ref mode, there is
+    no second copy of the cache) and advances the cursor.
+    [`reset`][eqx_state.nn.KVCache.reset] sets the cursor back to 0; positions at or
+    after the cursor are never attended to, so old entries need no clearing.
+
+    **Overflow.** Writing past `max_len` is an error, never a silent clamp:
+
+    - when the cursor is a concrete value (eager calls, ref mode or inside
+        `es.apply` without `jit`), a [`eqx_state.StateWriteError`][] is raised
+        before anything is written;
+    - under `jit` / `scan`, with `on_overflow="raise"` (default) the check is an
+        [`eqx.error_if`][equinox.error_if] on the written keys: the call raises an
+        `equinox.EquinoxRuntimeError` at run time (the usual `EQX_ON_ERROR`
+        environment variable applies). A failing jitted call may already have
+        consumed the cells it was given (donated buffers, or the buffers of ref-mode
+        cells): after such an error, build a fresh cache (e.g. with
+        [`eqx_state.nn.with_kv_cache`][]);
+    - with `on_overflow="nan"`, the written keys and values become NaN instead, so
+        every later output is NaN, and the computation continues. This check is an
+        elementwise select; `"raise"` is a conditional per write, which on GPU
+        reads the predicate back to the host at every step.
+
+    In both cases the cursor still advances past `max_len`, so every later write
+    is flagged too.
+
+    **Arguments:**
+
+    - `max_len`: the number of positions the cache holds.
+    - `num_heads`: the number of attention heads.
+    - `head_dim`: the size of each head's keys and values.
+    - `dtype`: the dtype of keys and values (default float32).
+    - `on_overflow`: `"raise"` or `"nan"`; see above.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    cache = es.to_refs(es.nn.KVCache(max_len=8, num_heads=2, head_dim=4))
+    start, keys, values = cache.append(jnp.ones((3, 2, 4)), jnp.ones((3, 2, 4)))
+    assert int(start) == 0 and int(cache.length) == 3
+    cache.reset()
+    assert int(cache.length) == 0
+    ```
+    """
+
+    keys: Cache
+    values: Cache
+    cursor: Cache
+    max_len: int = eqx.field(static=True)
+    on_overflow: Literal["raise", "nan"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        max_len: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        dtype=None,
+        on_overflow: Literal["raise", "nan"] = "raise",
+    ):
+        if max_len <= 0 or num_heads <= 0 or head_dim <= 0:
+            raise ValueError(
+                "KVCache: max_len, num_heads and head_dim must be positive, got "
+                f"{max_len}, {num_heads}, {head_dim}."
+            )
+        if on_overflow not in ("raise", "nan"):
+            raise ValueError(
+                f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."
+            )
+        dtype = jnp.float32 if dtype is None else dtype
+        shape = (num_heads, max_len, head_dim)
+        self.keys = Cache(jnp.zeros(shape, dtype))
+        self.values = Cache(jnp.zeros(shape, dtype))
+        self.cursor = Cache(jnp.zeros((), jnp.int32))
+        self.max_len = max_len
+        self.on_overflow = on_overflow
+
+    @property
+    def length(self) -> Int[Array, ""]:
+        """The number of positions written so far (the cursor)."""
+        return self.cursor[...]
+
+    def append(
+        self,
+        keys: Float[Array, "seq heads head_dim"],
+        values: Float[Array, "seq heads head_dim"],
+    ) -> tuple[
+        Int[Array, ""],
+        Float[Array, "heads max_len head_dim"],
+        Float[Array, "heads max_len head_dim"],
+    ]:
+        """Write `keys` / `values` for `seq` new positions at the cursor, in place,
+        and advance the cursor by `seq`.
+
+        **Arguments:**
+
+        - `keys`, `values`: arrays of shape `[seq, num_heads, head_dim]`.
+
+        **Returns:**
+
+        `(start, all_keys, all_values)`: the cursor before the write (the position
+        of the first new entry) and the whole cache after it, of shape
+        `[num_heads, max_len, head_dim]`. Positions `>= start + seq` hold stale or
+        zero entries and must be masked out (see
+        [`eqx_state.nn.CausalSelfAttention`][]).
+
+        **Raises:**
+
+        [`eqx_state.StateWriteError`][] when the write would pass `max_len` and the
+        cursor is concrete; under `jit`, see the class docstring.
+        """
+        heads, _, head_dim = self.keys.shape
+        if keys.shape != values.shape or tuple(keys.shape[1:]) != (heads, head_dim):
+            raise ValueError(
+                "KVCache.append: expected keys and values of shape "
+                f"[seq, {heads}, {head_dim}], got {keys.shape} and {values.shape}."
+            )
+        n = keys.shape[0]
+        start = self.cursor[...]
+        if n > self.max_len:
+            raise StateWriteError(_overflow_message(self.max_len))
+        if isinstance(start, jax_core.Tracer):
+            overflow = start + n > self.max_len
+            if self.on_overflow == "raise":
+                keys, values = eqx.error_if(
+                    (keys, values), overflow, _overflow_message(self.max_len)
+                )
+            else:  # "nan": an elementwise select, no conditional
+                nan = jnp.asarray(jnp.nan, keys.dtype)
+                keys = jnp.where(overflow, nan, keys)
+                values = jnp.where(overflow, nan, values)
+        elif int(start) + n > self.max_len:
+            raise StateWriteError(
+                f"{_overflow_message(self.max_len)} (cursor {int(start)}, writing {n} "
+                "positions)"
+            )
+        zero = jnp.zeros((), start.dtype)
+        for cell, new in ((self.keys, keys), (self.values, values)):
+            new = jnp.swapaxes(new, 0, 1).astype(cell.dtype)  # [heads, seq, head_dim]
+            cell[...] = jax.lax.dynamic_update_slice(
+                cell[...], new, (zero, start, zero)
+            )
+        self.cursor[...] = start + n
+        return start, self.keys[...], self.values[...]
+
+    def reset(self) -> None:
+        """Start a new sequence: set the cursor to 0 (a state write). Old entries
+        stay in memory but are never attended to."""
+        self.cursor[...] = jnp.zeros((), self.cursor.dtype)

@@ -1,0 +1,279 @@
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
+
+from .._buffer import RngState
+from .._errors import StateWriteError
+
+
+KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
+"""A typed key (`jax.random.key`) or a raw `uint32[2]` key, possibly batched."""
+
+
+def _as_key(seed_or_key: Any) -> KeyBatch:
+    if isinstance(seed_or_key, int) and not isinstance(seed_or_key, bool):
+        return jax.random.key(seed_or_key)
+    key = seed_or_key
+    if not isinstance(key, jax.Array):
+        raise TypeError(
+            "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
+            f"or a raw `jax.random.PRNGKey(seed)`), got {type(key).__name__}."
+        )
+    is_typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not (is_typed or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+        raise TypeError(
+            "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
+            "or a raw `jax.random.PRNGKey(seed)` of dtype uint32 and shape (2,)), got "
+            f"an array of dtype {key.dtype} and shape {key.shape}."
+        )
+    return key
+
+
+_VMAP_HINT = (
+    "An `Rng` stream was drawn inside `jax.vmap`, but its key is not batched over "
+    "that vmap: every vmapped example would get the same random numbers, and JAX "
+    "cannot write the advanced key into an unbatched state cell. Do one of:\n"
+    "  * call the layer on the whole batch instead of per example (outside the "
+    "vmap): `Dropout` is elementwise, so `dropout(x)` with `x` of shape "
+    "`[batch, ...]` draws an independent mask for every entry;\n"
+    "  * or map per-example calls with `eqx_state.vmap(model, axis_name=name)` and "
+    "build the layer with that axis name (`Dropout(p, key=..., axis_name=name)`, or "
+    "draw with `rng.next_key(axis_name=name)`), so that each example gets its own "
+    "key and the stream advances once per call;\n"
+    "  * or vmap over models that each hold their own stream (an ensemble), e.g. "
+    "`models = eqx.filter_vmap(make_model)(jax.random.split(key, n))`, so that the "
+    "key cell has the vmapped axis."
+)
+
+
+class Rng(eqx.Module):
+    """A random stream kept as state: a PRNG key in an [`eqx_state.RngState`][] cell,
+    advanced on every draw, so that layers get fresh randomness on every call
+    without any key plumbing.
+
+    Each draw splits the current key `k` into `(new, sub)`, writes `new` back into
+    the cell and returns `sub`. So the keys of a stream seeded with `k0` are exactly
+    those of the hand-threaded loop `k, sub = jax.random.split(k)`: two runs from
+    the same seed are identical, and two streams from different seeds are
+    independent.
+
+    The cell holds the key's raw `uint32` data (`jax.random.key_data`), so it is an
+    ordinary integer array for every transformation, donation and serialisation;
+    draws return keys of the kind the stream was seeded with (typed keys, with
+    their PRNG implementation, or raw `uint32[2]` keys).
+
+    A draw writes state: in value mode it runs inside [`eqx_state.make_step`][] /
+    [`eqx_state.apply`][]; in ref mode ([`eqx_state.to_refs`][]) anywhere. An `Rng`
+    has no `inference` field, so [`eqx.nn.inference_mode`][equinox.nn.inference_mode]
+    does not stop it; layers such as [`eqx_state.nn.Dropout`][] simply do not draw in
+    evaluation. Several layers may share one `Rng` (the same object at several
+    places in a model is one stream).
+
+    **Arguments:**
+
+    - `seed`: an integer seed (a typed key `jax.random.key(seed)` is made from it),
+        or a key: a typed key from `jax.random.key`, or a raw `uint32[2]` key from
+        `jax.random.PRNGKey`. The key is copied (a step donates state cells; the
+        caller's key stays valid). A batch of keys makes a batch of streams (as
+        `eqx.filter_vmap(Rng)(keys)` does), for ensembles.
+
+    **Example:**
+
+    ```python
+    import jax
+    import eqx_state as es
+
+    rng = es.to_refs(es.nn.Rng(0))
+    k1, k2 = rng.next_key(), rng.next_key()  # two different keys
+    x = jax.random.normal(rng(), (3,))       # `rng()` is `rng.next_key()`
+    ```
+    """
+
+    key: RngState
+    impl: str | None = eqx.field(static=True)
+
+    def __init__(self, seed: int | KeyBatch):
+        key = _as_key(seed)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            self.impl = str(jax.random.key_impl(key))
+            data = jax.random.key_data(key)
+        else:
+            self.impl = None
+            data = key
+        # A copy: `make_step` donates state cells, which must not consume the
+        # caller's key (users often reuse a key they passed in).
+        self.key = RngState(jnp.copy(data))
+
+    def _wrap(self, data: Array) -> KeyBatch:
+        if self.impl is None:
+            return data
+        return jax.random.wrap_key_data(data, impl=self.impl)
+
+    def _unwrap(self, key: Array) -> Array:
+        return key if self.impl is None else jax.random.key_data(key)
+
+    def peek(self) -> KeyBatch:
+        """The stream's current key, without advancing it (the next draw splits
+        it)."""
+        return self._wrap(self.key[...])
+
+    def next_key(
+        self, num: int | None = None, *, axis_name: Hashable | None = None
+    ) -> KeyBatch:
+        """Draw from the stream: advance the key and return a fresh one.
+
+        **Arguments:**
+
+        - `num`: `None` for one key, or an integer for a batch of `num` keys (one
+            draw: the stream advances once).
+        - `axis_name`: for per-example calls under
+            [`eqx_state.vmap`][]`(..., axis_name=name)`: the returned key is
+            `jax.random.fold_in(key, jax.lax.axis_index(name))`, different for every
+            example, while the stream advances once for the whole call (every example
+            writes the same new key).
+
+        **Returns:**
+
+        A key of the stream's kind (typed or raw), of shape `()` (raw: `(2,)`), or a
+        batch of `num` keys.
+        """
+        current = self.peek()
+        if num is None:
+            new, out = jax.random.split(current)
+        else:
+            keys = jax.random.split(current, num + 1)
+            new, out = keys[0], keys[1:]
+        if axis_name is not None:
+            out = jax.random.fold_in(out, jax.lax.axis_index(axis_name))
+        try:
+            self.key[...] = self._unwrap(new)
+        except StateWriteError as e:
+            if "jax.vmap" in str(e):
+                raise StateWriteError(_VMAP_HINT) from e
+            raise
+        return out
+
+    def __call__(
+        self, num: int | None = None, *, axis_name: Hashable | None = None
+    ) -> KeyBatch:
+        """Same as `next_key(num, axis_name=axis_name)`."""
+        return self.next_key(num, axis_name=axis_name)
+
+
+class Dropout(eqx.Module):
+    """Dropout that draws a fresh mask on every training call from a random stream
+    kept in the model: no key plumbing.
+
+    In training (the default) each entry of `x` is zeroed with probability `p` and
+    the kept entries are scaled by `1 / (1 - p)`, with the mask drawn as
+    `jax.random.bernoulli(key, 1 - p, x.shape)` from the next key of the stream (as
+    `eqx.nn.Dropout` does with an explicit key). In evaluation
+    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) it returns `x`
+    unchanged and draws nothing, so no state is written. With `p=0` (identity) or
+    `p=1` (zeros) the output does not depend on a mask, so nothing is drawn either.
+
+    Call it on the whole batch: the mask has the shape of `x`, so every example
+    gets its own. For per-example calls, map the model with
+    [`eqx_state.vmap`][]`(model, axis_name=name)` and build the layer with
+    `axis_name=name`: each example's mask then comes from its own key
+    (`fold_in(key, axis_index)`), and the stream advances once per call. Under a
+    plain `jax.vmap` a single stream would give every example the same mask; this
+    raises a [`eqx_state.StateWriteError`][] that names the fixes. (Under
+    `eqx_state.vmap` *without* `axis_name`, every example reads the same key and so
+    gets the same mask: pass `axis_name`.)
+
+    **Arguments:**
+
+    - `p`: the probability of zeroing an entry, in `[0, 1]`.
+    - `rng`: a shared [`eqx_state.nn.Rng`][] stream (pass the same `Rng` to several
+        layers to draw from one stream).
+    - `key`: a seed or key for a stream of its own (`Dropout(p, key=k)` is
+        `Dropout(p, rng=Rng(k))`). Without `rng` or `key`, a key must be passed
+        at every training call, as with `eqx.nn.Dropout`.
+    - `axis_name`: the vmapped axis of per-example calls (see above).
+    - `inference`: start in evaluation mode.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    import eqx_state as es
+
+    dropout = es.nn.Dropout(0.5, key=jax.random.key(0))
+    y1, dropout = es.apply(lambda m, x: m(x), dropout, jnp.ones(8))
+    y2, dropout = es.apply(lambda m, x: m(x), dropout, jnp.ones(8))
+    # y1 and y2 have different masks; kept entries equal 2.0
+    ```
+    """
+
+    rng: Rng | None
+    p: float = eqx.field(static=True)
+    axis_name: Hashable | None = eqx.field(static=True)
+    inference: bool
+
+    def __init__(
+        self,
+        p: float = 0.5,
+        *,
+        rng: Rng | None = None,
+        key: int | PRNGKeyArray | None = None,
+        axis_name: Hashable | None = None,
+        inference: bool = False,
+    ):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1], got {p}.")
+        if rng is not None and key is not None:
+            raise ValueError(
+                "Dropout: pass either `rng=` (a shared stream) or `key=` (a stream of "
+                "its own), not both."
+            )
+        self.p = float(p)
+        self.rng = Rng(key) if key is not None else rng
+        self.axis_name = axis_name
+        self.inference = inference
+
+    def __call__(
+        self,
+        x: Inexact[Array, "*shape"],
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> Inexact[Array, "*shape"]:
+        """Apply dropout to `x` (training) or return it unchanged (evaluation).
+
+        **Arguments:**
+
+        - `x`: any inexact array; usually a whole batch.
+        - `key`: an explicit key for this call; the stream is then neither read nor
+            advanced (as `eqx.nn.Dropout`). Also lets `eqx.nn.Sequential` pass its
+            keys.
+        - `inference`: overrides `self.inference` for this call.
+
+        **Returns:**
+
+        An array of the shape and dtype of `x`.
+        """
+        if inference is None:
+            inference = self.inference
+        if inference or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return jnp.zeros_like(x)
+        if key is None:
+            if self.rng is None:
+                raise ValueError(
+                    "This Dropout has no random stream and no key was passed. Build "
+                    "it with `Dropout(p, key=jax.random.key(seed))` (a stream of its "
+                    "own) or `Dropout(p, rng=rng)` (a shared `es.nn.Rng`), or pass "
+                    "`key=` at every training call."
+                )
+            key = self.rng.next_key(axis_name=self.axis_name)
+        q = 1.0 - self.p
+        mask = jax.random.bernoulli(key, q, x.shape)
+        return jnp.where(mask, x / jnp.asarray(q, x.dtype), jnp.zeros((), x.dtype))

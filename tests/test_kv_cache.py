@@ -1,0 +1,417 @@
+"""`KVCache` and `CausalSelfAttention`: the uncached layer against PyTorch's and
+Equinox's multi-head attention, cached decoding against the uncached forward (eager,
+jitted, inside `lax.scan`, both storage modes), overflow, reset, and in-place
+updates."""
+
+import importlib.util
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_state as es
+
+
+MODES = ["value", "ref"]
+D, H = 16, 4
+
+
+def load_example():
+    name = "_decode_kv_cache_example"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parent.parent / "examples"
+        spec = importlib.util.spec_from_file_location(name, path / "decode_kv_cache.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def as_mode(model, mode):
+    return es.to_refs(model) if mode == "ref" else model
+
+
+def call(model, mode, fn, *args):
+    """`fn(model, *args)`, writing state, in either mode: returns (out, model)."""
+    if mode == "ref":
+        return fn(model, *args), model
+    return es.apply(fn, model, *args)
+
+
+@eqx.filter_jit
+def jit_call(model, mode, fn, *args):
+    """`call`, jitted (fn must be hashable: a module-level function)."""
+    return call(model, mode, fn, *args)
+
+
+def _feed(m, tokens):
+    return m(tokens)
+
+
+@pytest.fixture
+def attn():
+    return es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+
+
+@pytest.fixture
+def x():
+    return jax.random.normal(jax.random.key(1), (7, D))
+
+
+def test_uncached_matches_torch_multihead_attention(attn, x):
+    torch = pytest.importorskip("torch")
+    mha = torch.nn.MultiheadAttention(D, H, bias=True, batch_first=True)
+    with torch.no_grad():
+        w = [
+            np.asarray(p.weight)
+            for p in (attn.query_proj, attn.key_proj, attn.value_proj)
+        ]
+        b = [
+            np.asarray(p.bias)
+            for p in (attn.query_proj, attn.key_proj, attn.value_proj)
+        ]
+        mha.in_proj_weight.copy_(torch.tensor(np.concatenate(w)))
+        mha.in_proj_bias.copy_(torch.tensor(np.concatenate(b)))
+        mha.out_proj.weight.copy_(torch.tensor(np.asarray(attn.output_proj.weight)))
+        mha.out_proj.bias.copy_(torch.tensor(np.asarray(attn.output_proj.bias)))
+    xt = torch.tensor(np.asarray(x))[None]
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+    want, _ = mha(xt, xt, xt, attn_mask=causal, need_weights=False)
+    np.testing.assert_allclose(attn(x), want[0].detach().numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_uncached_matches_equinox_multihead_attention(attn, x):
+    mha = eqx.nn.MultiheadAttention(
+        H,
+        D,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
+        key=jax.random.key(2),
+    )
+    names = ("query_proj", "key_proj", "value_proj", "output_proj")
+    mha = eqx.tree_at(
+        lambda m: [getattr(m, n) for n in names], mha, [getattr(attn, n) for n in names]
+    )
+    mask = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+    np.testing.assert_allclose(attn(x), mha(x, x, x, mask=mask), atol=1e-5, rtol=1e-5)
+    # and causality: the first 3 outputs do not depend on the later inputs
+    y2 = attn(x.at[3:].set(100.0))
+    np.testing.assert_allclose(attn(x)[:3], y2[:3], atol=1e-6)
+    assert not np.allclose(attn(x)[3:], y2[3:])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("chunks", [[7], [1] * 7, [3, 1, 2, 1]])
+def test_chunked_decoding_matches_full_forward(attn, x, mode, chunks):
+    cached = as_mode(es.nn.with_kv_cache(attn, max_len=10), mode)
+    outs, i = [], 0
+    for n in chunks:
+        y, cached = call(cached, mode, lambda m, c: m(c), x[i : i + n])
+        outs.append(y)
+        i += n
+    np.testing.assert_allclose(jnp.concatenate(outs), attn(x), atol=1e-5, rtol=1e-5)
+    assert cached.cache is not None
+    assert int(cached.cache.length) == 7
+    # the cache holds the projected keys/values at positions 0..6, zeros after
+    keys = np.asarray(cached.cache.keys[...])
+    want_k = np.asarray(jax.vmap(attn.key_proj)(x)).reshape(7, H, D // H)
+    np.testing.assert_allclose(keys[:, :7].transpose(1, 0, 2), want_k, atol=1e-6)
+    assert np.all(keys[:, 7:] == 0)
+
+
+def test_cache_layout_and_append_in_place():
+    cache = es.to_refs(es.nn.KVCache(6, 2, 3))
+    assert cache.keys.shape == (2, 6, 3) and cache.cursor.dtype == jnp.int32
+    k = jnp.arange(2 * 2 * 3, dtype=jnp.float32).reshape(2, 2, 3)
+    start, keys, values = cache.append(k, -k)
+    assert int(start) == 0
+    np.testing.assert_array_equal(keys[:, :2], np.swapaxes(k, 0, 1))
+    np.testing.assert_array_equal(values[:, :2], -np.swapaxes(k, 0, 1))
+    start, keys, _ = cache.append(k[:1] + 100, k[:1])
+    assert int(start) == 2 and int(cache.length) == 3
+    np.testing.assert_array_equal(keys[:, 2], k[0] + 100)
+    with pytest.raises(
+        ValueError, match=r"expected keys and values of shape \[seq, 2, 3\]"
+    ):
+        cache.append(jnp.ones((1, 3, 3)), jnp.ones((1, 3, 3)))
+
+
+def decode_setup(max_len=12, prompt_len=4, steps=8, vocab=20):
+    ex = load_example()
+    model = ex.TinyTransformer(vocab, D, H, 2, max_len, key=jax.random.key(3))
+    prompt = jax.random.randint(jax.random.key(4), (prompt_len,), 0, vocab)
+    return ex, model, prompt, steps
+
+
+@eqx.filter_jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+def reference_logits(model, prompt, tokens):
+    """The uncached full forward on prompt + generated tokens (all but the last)."""
+    return forward(model, jnp.concatenate([prompt, tokens[:-1]]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_decode_per_token_under_jit_matches_uncached(mode):
+    ex, model, prompt, steps = decode_setup()
+    cached = as_mode(es.nn.with_kv_cache(model, 12), mode)
+    traces = []
+
+    if mode == "value":
+
+        @eqx.filter_jit
+        def feed(m, tokens):
+            traces.append(tokens.shape)
+            return es.apply(lambda m, t: m(t), m, tokens)
+
+    else:
+
+        @eqx.filter_jit
+        def feed(m, tokens):
+            traces.append(tokens.shape)
+            return m(tokens), m
+
+    logits, cached = feed(cached, prompt)
+    all_logits, tokens = [logits], []
+    token = jnp.argmax(logits[-1]).astype(prompt.dtype)
+    for _ in range(steps - 1):
+        tokens.append(token)
+        logits, cached = feed(cached, token[None])
+        all_logits.append(logits)
+        token = jnp.argmax(logits[-1]).astype(prompt.dtype)
+    tokens.append(token)
+    tokens = jnp.stack(tokens)
+    want = reference_logits(model, prompt, tokens)
+    np.testing.assert_allclose(jnp.concatenate(all_logits), want, atol=1e-5, rtol=1e-5)
+    assert len(traces) == 2  # the prompt shape and the one-token shape: no retrace
+    assert int(cached.blocks[1].attn.position()) == len(prompt) + steps - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_decode_in_scan_matches_uncached(mode):
+    ex, model, prompt, steps = decode_setup()
+    cached = es.nn.with_kv_cache(model, 12)
+    if mode == "value":
+        (tokens, logits), cached = ex.decode_value_mode(cached, prompt, steps)
+    else:
+        cached = es.to_refs(cached)
+        tokens, logits = ex.decode_ref_mode(cached, prompt, steps)
+    assert tokens.shape == (steps,)
+    want = reference_logits(model, prompt, tokens)
+    np.testing.assert_allclose(logits, want, atol=1e-5, rtol=1e-5)
+    # greedy: every token is the argmax of the uncached logits before it
+    np.testing.assert_array_equal(tokens, jnp.argmax(want[len(prompt) - 1 :], -1))
+    # the decoder's parameters were not donated (the uncached model still works)
+    assert np.all(np.isfinite(model(prompt)))
+    assert int(cached.blocks[0].attn.position()) == len(prompt) + steps - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reset_starts_a_new_sequence(mode):
+    ex, model, prompt, steps = decode_setup()
+    cached = as_mode(es.nn.with_kv_cache(model, 12), mode)
+    _, cached = jit_call(cached, mode, _feed, prompt)
+    _, cached = jit_call(cached, mode, _feed, prompt[:2])
+    assert int(cached.blocks[0].attn.position()) == 6
+    _, cached = call(cached, mode, lambda m: es.nn.reset_kv_cache(m))
+    assert all(int(b.attn.position()) == 0 for b in cached.blocks)
+    # decoding after a reset ignores the stale entries: same as a fresh cache
+    other = prompt[::-1]
+    got, cached = jit_call(cached, mode, _feed, other)
+    np.testing.assert_allclose(got, forward(model, other), atol=1e-5, rtol=1e-5)
+    # KVCache.reset on its own
+    cache = cached.blocks[0].attn.cache
+    _, cache = call(cache, mode, lambda c: c.reset())
+    assert int(cache.length) == 0
+
+
+def test_with_and_without_cache():
+    ex, model, prompt, _ = decode_setup()
+    assert all(b.attn.cache is None for b in model.blocks)
+    cached = es.nn.with_kv_cache(model, 9, dtype=jnp.float32)
+    assert all(b.attn.cache is not None for b in cached.blocks)
+    assert cached.blocks[0].attn.cache.keys.shape == (H, 9, D // H)
+    assert (
+        cached.blocks[0].attn.query_proj.weight
+        is model.blocks[0].attn.query_proj.weight
+    )
+    # the caches are state, not parameters
+    assert jax.tree.leaves(es.params(cached).blocks[0].attn.cache) == []
+    back = es.nn.without_kv_cache(cached)
+    assert eqx.tree_equal(back, model)
+    np.testing.assert_allclose(back(prompt), model(prompt))
+    # a layer built with max_len has a cache from the start
+    layer = es.nn.CausalSelfAttention(D, H, max_len=5, key=jax.random.key(0))
+    assert layer.cache is not None and layer.cache.max_len == 5
+
+
+def test_decoding_in_inference_mode():
+    """eqx.nn.inference_mode does not stop the cache: decoding is inference."""
+    ex, model, prompt, steps = decode_setup()
+    cached = eqx.nn.inference_mode(es.nn.with_kv_cache(model, 12))
+    (tokens, logits), _ = ex.decode_value_mode(cached, prompt, steps)
+    np.testing.assert_allclose(
+        logits, reference_logits(model, prompt, tokens), atol=1e-5, rtol=1e-5
+    )
+
+
+def fill(cache, mode, n):
+    for _ in range(n):
+        _, cache = call(
+            cache, mode, lambda c: c.append(jnp.ones((1, 2, 3)), jnp.ones((1, 2, 3)))
+        )
+    return cache
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_overflow_eager_raises_before_writing(mode):
+    cache = fill(as_mode(es.nn.KVCache(4, 2, 3), mode), mode, 3)
+    with pytest.raises(
+        es.StateWriteError, match=r"KVCache overflow.*max_len=4.*cursor 3, writing 2"
+    ):
+        call(
+            cache, mode, lambda c: c.append(jnp.zeros((2, 2, 3)), jnp.zeros((2, 2, 3)))
+        )
+    # nothing was written: the cursor and the entries are unchanged
+    assert int(cache.length) == 3
+    assert np.all(np.asarray(cache.keys[...])[:, :3] == 1)
+    cache = fill(cache, mode, 1)  # the last position still fits
+    assert int(cache.length) == 4
+
+
+def test_chunk_longer_than_cache_raises_even_under_jit():
+    cache = es.nn.KVCache(4, 2, 3)
+    run = eqx.filter_jit(lambda c, k: es.apply(lambda c, k: c.append(k, k)[0], c, k))
+    with pytest.raises(es.StateWriteError, match="KVCache overflow"):
+        run(cache, jnp.ones((5, 2, 3)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_overflow_under_jit_raises_at_run_time(mode):
+    cache = as_mode(es.nn.KVCache(4, 2, 3), mode)
+    k = jnp.ones((1, 2, 3))
+    if mode == "value":
+        run = eqx.filter_jit(
+            lambda c, k: es.apply(lambda c, k: c.append(k, k)[0], c, k)
+        )
+    else:
+        run = eqx.filter_jit(lambda c, k: (c.append(k, k)[0], c))
+    for i in range(4):
+        start, cache = run(cache, k)
+        assert int(start) == i
+    with pytest.raises(eqx.EquinoxRuntimeError, match="KVCache overflow"):
+        run(cache, k)
+
+
+def test_overflow_inside_scan_raises_at_run_time():
+    ex, model, prompt, _ = decode_setup()
+    cached = es.nn.with_kv_cache(model, 8)  # prompt 4 + 8 steps do not fit
+    with pytest.raises(eqx.EquinoxRuntimeError, match="KVCache overflow"):
+        ex.decode_value_mode(cached, prompt, 8)
+
+
+def test_overflow_policy_nan():
+    """`on_overflow="nan"`: the overflowing write poisons the cache with NaN (so all
+    later outputs are NaN) instead of clamping silently."""
+    attn = es.nn.CausalSelfAttention(
+        D, H, max_len=3, on_overflow="nan", key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (5, D))
+
+    @eqx.filter_jit
+    def run(m, x):
+        def body(_, xi):
+            return None, m(xi[None])[0]
+
+        return jax.lax.scan(body, None, x)[1]
+
+    y, _ = es.apply(run, attn, x)
+    assert np.all(np.isfinite(y[:3]))
+    np.testing.assert_allclose(y[:3], es.nn.without_kv_cache(attn)(x[:3]), atol=1e-5)
+    assert np.all(np.isnan(y[3:]))
+    # ValueError from the constructor, or TypeError from the jaxtyping check of
+    # the annotation in the test suite
+    with pytest.raises((ValueError, TypeError), match="on_overflow"):
+        es.nn.KVCache(3, 1, 1, on_overflow="clamp")  # type: ignore[arg-type]
+
+
+def test_cache_is_updated_in_place_under_donation():
+    """The compiled decode step aliases the donated cache to its output and needs no
+    temporary the size of the cache: no second copy."""
+    ex, model, prompt, _ = decode_setup(max_len=1024)
+    cached = es.nn.with_kv_cache(model, 1024)
+    state, rest = eqx.partition(cached, es.is_state, is_leaf=es.is_state)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert cache_bytes >= 2 * 2 * 1024 * D * 4
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(rest_token, state):
+        rest, token = rest_token
+        m = eqx.combine(state, rest, is_leaf=es.is_state)
+        out, m = es.apply(lambda m, t: m(t[None]), m, token)
+        return out, eqx.filter(m, es.is_state, is_leaf=es.is_state)
+
+    token = jnp.zeros((), jnp.int32)
+    ma = step.lower((rest, token), state).compile().compiled.memory_analysis()
+    assert ma.alias_size_in_bytes >= cache_bytes
+    # (the temporaries are per-step logits, a fraction of one layer's keys)
+    assert ma.temp_size_in_bytes < cache_bytes / 4
+    assert ma.output_size_in_bytes - ma.alias_size_in_bytes < cache_bytes / 4
+    # and it runs, consuming only the state
+    out, new_state = step((rest, token), state)
+    assert jax.tree.leaves(state)[0].is_deleted()
+    assert not rest.blocks[0].attn.query_proj.weight.is_deleted()
+    assert int(new_state.blocks[0].attn.cache.cursor[...]) == 1
+
+
+def test_vmap_over_a_batch_of_caches():
+    """Batched decoding: vmap over sequences whose caches (only) have a batch axis;
+    each row equals its own single-sequence decode."""
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (3, 5, D))
+    caches = eqx.filter_vmap(lambda _: es.nn.KVCache(8, H, D // H), axis_size=3)(None)
+    decoder = eqx.tree_at(lambda a: a.cache, attn, caches, is_leaf=lambda c: c is None)
+    in_axes = eqx.tree_at(
+        lambda a: a.cache,
+        jax.tree.map(lambda _: None, attn),
+        jax.tree.map(lambda _: 0, caches),
+        is_leaf=lambda c: c is None,
+    )
+
+    @eqx.filter_jit
+    def run(decoder, xs):
+        def fn(d, xs):
+            a = jax.vmap(lambda d, x: d(x[:2]), in_axes=(in_axes, 0))(d, xs)
+            b = jax.vmap(lambda d, x: d(x[2:]), in_axes=(in_axes, 0))(d, xs)
+            return jnp.concatenate([a, b], axis=1)
+
+        return es.apply(fn, decoder, xs)
+
+    ys, decoder = run(decoder, xs)
+    for i in range(3):
+        np.testing.assert_allclose(ys[i], attn(xs[i]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(decoder.cache.cursor[...], [5, 5, 5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_load_mid_sequence_resumes_decoding(mode, tmp_path):
+    ex, model, prompt, _ = decode_setup()
+    cached = as_mode(es.nn.with_kv_cache(model, 12), mode)
+    _, cached = jit_call(cached, mode, _feed, prompt)
+    es.save(tmp_path / "decoder.eqx", cached)
+    like = es.nn.with_kv_cache(model, 12)
+    resumed = as_mode(es.load(tmp_path / "decoder.eqx", like), mode)
+    assert int(resumed.blocks[0].attn.position()) == len(prompt)
+    token = jnp.array([3], jnp.int32)
+    got, _ = jit_call(resumed, mode, _feed, token)
+    want = forward(model, jnp.concatenate([prompt, token]))[-1:]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
