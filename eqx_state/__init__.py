@@ -20,7 +20,13 @@ from ._errors import (
     StateWriteError as StateWriteError,
     StepError as StepError,
 )
-from ._step import Step as Step, apply as apply, make_step as make_step
+from ._step import (
+    Apply as Apply,
+    Step as Step,
+    apply as apply,
+    make_apply as make_apply,
+    make_step as make_step,
+)
 from ._vmap import vmap as vmap
 from .metrics import reset as reset
 

@@ -35,11 +35,12 @@ def _is_ref(x: Any) -> bool:
 def _to_value(x: Any) -> Any:
     if _is_ref(x) or isinstance(x, jax_core.Tracer):
         return x
+    if isinstance(x, jax.Array):
+        # a copy: a step donates the cell's array, which must not delete the caller's
+        x = jnp.array(x, copy=True)
     x = jnp.asarray(x)
-    if getattr(
-        x, "weak_type", False
-    ):  # a cell has a definite dtype: `Buffer(0.0)` is float32
-        x = jnp.asarray(x, dtype=x.dtype)
+    if getattr(x, "weak_type", False):
+        x = jnp.asarray(x, dtype=x.dtype)  # a cell has a definite dtype
     return x
 
 
@@ -87,7 +88,11 @@ class Buffer(eqx.Module):
 
     def __getitem__(self, idx: Any) -> jax.Array:
         v = self.value
-        if (
+        if type(v) is jax.Ref:  # a concrete ref: its array may have been consumed
+            buf = getattr(getattr(v, "_refs", None), "_buf", None)
+            if buf is not None and buf.is_deleted():
+                raise StaleModelError(_stale_message(type(self).__name__))
+        elif (
             isinstance(v, jax.Array)
             and not isinstance(v, jax_core.Tracer)
             and v.is_deleted()

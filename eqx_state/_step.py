@@ -113,35 +113,215 @@ def _reraise_stale(e: Exception, trees: Any) -> None:
 
 
 class _Plan:
-    """One compiled variant of a step: how the flattened `(model, opt_state)` of a
-    call maps onto the jitted function, and the jitted function itself."""
+    """One compiled variant of a call: how the flattened carry (`(model, opt_state)`
+    for a step, `(model,)` for an apply) maps onto the jitted function, and the
+    jitted function itself."""
 
-    __slots__ = ("treedef", "spec", "statics", "fn", "ref_slots", "gather")
+    __slots__ = (
+        "treedef",
+        "spec",
+        "statics",
+        "fn",
+        "ref_slots",
+        "gather",
+        "donated_ks",
+        "kept_ks",
+        "out_ks",
+        "all_out",
+    )
 
-    def __init__(self, treedef, spec, statics, fn, ref_pos):
+    def __init__(self, treedef, spec, statics, ref_pos, n_dyn, donated_ks, out_ks):
         self.treedef = treedef
         self.spec = spec
         self.statics = statics
-        self.fn = fn
-        # For each leaf: the index of its output (arrays), or -1 (kept: Python
-        # values and ref-mode cells, whose refs stay in the model).
+        self.fn: Any = None
+        # For each leaf: the index of its new array, or -1 (kept: Python values and
+        # ref-mode cells, whose refs stay in the model).
         self.gather = tuple(
             k if k >= 0 and i not in ref_pos else -1 for i, k in enumerate(spec)
         )
-        # Ref-mode cells passed by value: (index of their output, first position).
+        # Ref-mode cells passed by value: (index of their array, first position).
         first: dict[int, int] = {}
         for i in ref_pos:
             first.setdefault(spec[i], i)
         self.ref_slots = tuple((k, i) for k, i in first.items())
+        self.donated_ks = tuple(donated_ks)
+        donated = set(donated_ks)
+        self.kept_ks = tuple(k for k in range(n_dyn) if k not in donated)
+        self.out_ks = tuple(out_ks)
+        self.all_out = self.out_ks == tuple(range(n_dyn))
+
+    def split(self, dyn: list) -> tuple[list, list]:
+        if not self.kept_ks:
+            return dyn, []
+        if not self.donated_ks:
+            return [], dyn
+        return [dyn[k] for k in self.donated_ks], [dyn[k] for k in self.kept_ks]
+
+    def merge(self, donated: list, kept: list) -> list:
+        dyn: list[Any] = [None] * (len(donated) + len(kept))
+        for k, x in zip(self.donated_ks, donated):
+            dyn[k] = x
+        for k, x in zip(self.kept_ks, kept):
+            dyn[k] = x
+        return dyn
 
 
-class Step:
+class _Compiled:
+    """The machinery shared by [`eqx_state.Step`][] and [`eqx_state.Apply`][]: split
+    the carried trees into arrays and Python values once, compile once per split,
+    donate what is replaced, keep tied cells tied, and skip all of it when called on
+    what the previous call returned."""
+
+    _n_carry = 1
+
+    def __init__(self, donate: bool, jit_kwargs: dict[str, Any]):
+        self.donate = donate
+        self._jit_kwargs = jit_kwargs
+        self._plans: dict[Any, _Plan] = {}
+        self.mesh: jax.sharding.Mesh | None = None
+        self._replicated: Any = None
+        # What the last call returned, with what is known of it: calling again on
+        # it skips flattening and splitting.
+        self._last: tuple[tuple, _Plan, list, list] | None = None
+        self.trace_count = 0
+
+    # -- what subclasses define -------------------------------------------------
+    def _compute(self, carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
+        raise NotImplementedError
+
+    def _choose(self, leaves: list, spec: tuple, carry: tuple) -> tuple[list, list]:
+        """The indices of the arrays to donate and of the arrays that are outputs."""
+        raise NotImplementedError
+
+    # -- the shared machinery ---------------------------------------------------
+    def _impl(self, plan: _Plan, donated, kept, refs, args, kwargs):
+        self.trace_count += 1
+        dyn = plan.merge(donated, kept)
+        carry = jax.tree_util.tree_unflatten(
+            plan.treedef, _join(plan.spec, plan.statics, dyn, refs)
+        )
+        carry, result = self._compute(carry, args, kwargs)
+        new_leaves, new_treedef = jax.tree_util.tree_flatten(carry)
+        if new_treedef != plan.treedef:
+            raise StepError(
+                "The call changed the structure of the model or optimizer state "
+                f"(before: {plan.treedef}, after: {new_treedef}). The optimizer must "
+                "keep the structure of its state; the function must not replace "
+                "modules."
+            )
+        # One output per distinct input array (tied cells share one ref, so all their
+        # positions hold the same frozen value).
+        first: dict[int, Any] = {}
+        for new, k in zip(new_leaves, plan.spec):
+            if k >= 0 and k not in first:
+                first[k] = new
+        outs = [_match_weak(first[k], dyn[k]) for k in plan.out_ks]
+        return outs, result
+
+    def _plan(
+        self, leaves: list, treedef: Any, carry: tuple
+    ) -> tuple[_Plan, list, list]:
+        spec, statics, dyn, refs, ref_pos = _split(
+            leaves, allow_fast_refs=_jax_core.trace_state_clean()
+        )
+        key = (treedef, spec, statics, ref_pos)
+        plan = self._plans.get(key)
+        if plan is None:
+            donated_ks, out_ks = self._choose(leaves, spec, carry)
+            plan = _Plan(
+                treedef,
+                spec,
+                statics,
+                frozenset(ref_pos),
+                len(dyn),
+                donated_ks if self.donate else (),
+                out_ks,
+            )
+            plan.fn = jax.jit(
+                functools.partial(self._impl, plan),
+                donate_argnums=(0,) if plan.donated_ks else (),
+                **self._jit_kwargs,
+            )
+            self._plans[key] = plan
+        return plan, dyn, refs
+
+    def _place(self, dyn: list) -> list:
+        """Place the arrays of a model seen for the first time as the call's outputs
+        will be placed, so that the next call sees the same input types."""
+        if self.mesh is not None:  # replicated on the mesh
+            return jax.device_put(dyn, self._replicated, donate=self.donate)
+        if not _jax_core.trace_state_clean():
+            return dyn
+        # Committed to their device. jit caches on committedness, and arrays get
+        # committed behind our back (an eager read of a ref-mode cell does it), which
+        # would otherwise cost a recompilation.
+        return [
+            x if getattr(x, "committed", True) else jax.device_put(x, x.sharding)
+            for x in dyn
+        ]
+
+    def _run(self, carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
+        last = self._last
+        if (
+            last is not None
+            and all(a is b for a, b in zip(last[0], carry))
+            and (not last[1].ref_slots or _jax_core.trace_state_clean())
+        ):
+            # Fast path: called on what the last call returned, so the plan and the
+            # arrays are known: no flattening, no splitting.
+            _, plan, leaves, dyn = last
+            for k, i in plan.ref_slots:
+                buf = leaves[i]._refs._buf  # may have been replaced by an eager write
+                dyn[k] = buf if buf.committed else jax.device_put(buf, buf.sharding)
+            refs: list = []
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(carry)
+            plan, dyn, refs = self._plan(leaves, treedef, carry)
+        try:
+            if last is None or dyn is not last[3]:
+                dyn = self._place(dyn)
+            donated, kept = plan.split(dyn)
+            outs, result = plan.fn(donated, kept, refs, args, kwargs)
+        except (ValueError, RuntimeError) as e:
+            _reraise_stale(e, carry)
+            raise
+        if plan.all_out:
+            new = outs
+        else:
+            new = list(dyn)
+            for j, k in enumerate(plan.out_ks):
+                new[k] = outs[j]
+        leaves = [new[k] if k >= 0 else old for k, old in zip(plan.gather, leaves)]
+        for k, i in plan.ref_slots:
+            # A ref-mode cell: put the new value into the ref in place (as JAX does
+            # after a call with ref arguments); the model keeps the same ref.
+            leaves[i]._refs._buf = new[k]
+        carry = plan.treedef.unflatten(leaves)
+        self._last = (carry, plan, leaves, new)
+        return carry, result
+
+
+def _state_ks(spec: tuple, carry: tuple) -> list[int]:
+    """The indices of the arrays that sit in state cells."""
+    in_cell: list[bool] = []
+    for node in jax.tree_util.tree_leaves(carry, is_leaf=is_state):
+        if is_state(node):
+            in_cell.extend([True] * len(jax.tree_util.tree_leaves(node)))
+        else:
+            in_cell.append(False)
+    return sorted({k for k, cell in zip(spec, in_cell) if k >= 0 and cell})
+
+
+class Step(_Compiled):
     """A compiled training step; build it with [`eqx_state.make_step`][].
 
     Call it as `model, opt_state = step(model, opt_state, *args, **kwargs)` (with
     `aux` appended when `has_aux=True`). `step.init(model)` returns the optimizer
     state. `step.trace_count` counts how often the step was traced (compiled).
     """
+
+    _n_carry = 2
 
     def __init__(
         self,
@@ -164,32 +344,27 @@ class Step:
                 f"make_step: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
                 "Pass `data_axis=` naming the axis that shards the batch."
             )
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.has_aux = has_aux
-        self.donate = donate
-        self.mesh = mesh
-        self.data_axis = data_axis
-        self.microbatches = microbatches
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             replicated = NamedSharding(mesh, PartitionSpec())
             batch = NamedSharding(mesh, PartitionSpec(data_axis))
-            self._replicated = replicated
             # model and optimizer state replicated, every argument sharded on its
             # leading (batch) axis; the outputs stay replicated.
             jit_kwargs = {
-                "in_shardings": (replicated, None, batch, batch),
+                "in_shardings": (replicated, replicated, None, batch, batch),
                 "out_shardings": replicated,
                 **jit_kwargs,
             }
-        self._jit_kwargs = jit_kwargs
-        self._plans: dict[Any, _Plan] = {}
-        # The model/opt_state this step returned last, with what it knows of them:
-        # calling the step again on them skips flattening and splitting.
-        self._last: tuple[Any, Any, _Plan, list, list] | None = None
-        self.trace_count = 0
+        super().__init__(donate, jit_kwargs)
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = has_aux
+        self.mesh = mesh
+        self.data_axis = data_axis
+        self.microbatches = microbatches
+        if mesh is not None:
+            self._replicated = replicated
 
     def init(self, model: Any) -> optax.OptState:
         """The optimizer state for `model`'s parameters ([`eqx_state.params`][]).
@@ -204,11 +379,12 @@ class Step:
         """
         return self.optimizer.init(params(model))
 
-    def _impl(self, treedef, spec, statics, dyn, refs, args, kwargs):
-        self.trace_count += 1
-        model, opt_state = jax.tree_util.tree_unflatten(
-            treedef, _join(spec, statics, dyn, refs)
-        )
+    def _choose(self, leaves, spec, carry):
+        n = 1 + max((k for k in spec if k >= 0), default=-1)
+        return list(range(n)), list(range(n))  # a step replaces everything
+
+    def _compute(self, carry, args, kwargs):
+        model, opt_state = carry
         model, made = _thaw(model)
         diff, rest = eqx.partition(model, _is_param, is_leaf=is_state)
         diff_leaves = jax.tree_util.tree_leaves(diff)
@@ -253,21 +429,7 @@ class Step:
         diff = optax.apply_updates(diff, updates)
         model = eqx.combine(diff, rest, is_leaf=is_state)
         model = _refreeze(model, made)
-        new_leaves, new_treedef = jax.tree_util.tree_flatten((model, opt_state))
-        if new_treedef != treedef:
-            raise StepError(
-                "The step changed the structure of the model or optimizer state "
-                f"(before: {treedef}, after: {new_treedef}). The optimizer must keep "
-                "the structure of its state; the loss must not replace modules."
-            )
-        # One output per distinct input array (tied cells share one ref, so all their
-        # positions hold the same frozen value).
-        outs: list[Any] = [None] * len(dyn)
-        for new, k in zip(new_leaves, spec):
-            if k >= 0 and outs[k] is None:
-                outs[k] = _match_weak(new, dyn[k])
-        aux = out[1] if self.has_aux else None
-        return outs, aux
+        return (model, opt_state), (out[1] if self.has_aux else None)
 
     def _accumulate(self, grad_fn, diff, args, kwargs):
         """Gradients averaged over `microbatches` slices of the batch, accumulated in
@@ -298,72 +460,36 @@ class Step:
         loss = jnp.mean(values)
         return ((loss, aux) if self.has_aux else loss), grads
 
-    def _plan(self, leaves: list, treedef: Any) -> tuple[_Plan, list, list]:
-        spec, statics, dyn, refs, ref_pos = _split(
-            leaves, allow_fast_refs=_jax_core.trace_state_clean()
-        )
-        key = (treedef, spec, statics, ref_pos)
-        plan = self._plans.get(key)
-        if plan is None:
-            fn = jax.jit(
-                functools.partial(self._impl, treedef, spec, statics),
-                donate_argnums=(0,) if self.donate else (),
-                **self._jit_kwargs,
-            )
-            plan = self._plans[key] = _Plan(treedef, spec, statics, fn, ref_pos)
-        return plan, dyn, refs
-
-    def _place(self, dyn: list) -> list:
-        """Place the arrays of a model seen for the first time as the step's outputs
-        will be placed, so that the next call sees the same input types."""
-        if self.mesh is not None:
-            # replicated on the mesh
-            return jax.device_put(dyn, self._replicated, donate=self.donate)
-        if not _jax_core.trace_state_clean():
-            return dyn
-        # Committed to their device. jit caches on committedness, and arrays get
-        # committed behind our back (an eager read of a ref-mode cell does it), which
-        # would otherwise cost a recompilation.
-        return [
-            x if getattr(x, "committed", True) else jax.device_put(x, x.sharding)
-            for x in dyn
-        ]
-
     def __call__(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
-        last = self._last
-        if (
-            last is not None
-            and last[0] is model
-            and last[1] is opt_state
-            and (not last[2].ref_slots or _jax_core.trace_state_clean())
-        ):
-            # Fast path: called on what this step returned last time, so the plan
-            # and the arrays are known: no flattening, no splitting.
-            _, _, plan, leaves, dyn = last
-            for k, i in plan.ref_slots:
-                buf = leaves[i]._refs._buf  # may have been replaced by an eager write
-                dyn[k] = buf if buf.committed else jax.device_put(buf, buf.sharding)
-            refs: list = []
-        else:
-            leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
-            plan, dyn, refs = self._plan(leaves, treedef)
-        try:
-            if last is None or dyn is not last[4]:
-                dyn = self._place(dyn)
-            outs, aux = plan.fn(dyn, refs, args, kwargs)
-        except (ValueError, RuntimeError) as e:
-            _reraise_stale(e, (model, opt_state))
-            raise
-        leaves = [outs[k] if k >= 0 else old for k, old in zip(plan.gather, leaves)]
-        for k, i in plan.ref_slots:
-            # A ref-mode cell: put the new value into the ref in place (as JAX does
-            # after a call with ref arguments); the model keeps the same ref.
-            leaves[i]._refs._buf = outs[k]
-        new_model, new_opt_state = plan.treedef.unflatten(leaves)
-        self._last = (new_model, new_opt_state, plan, leaves, outs)
+        (new_model, new_opt_state), aux = self._run((model, opt_state), args, kwargs)
         if self.has_aux:
             return new_model, new_opt_state, aux
         return new_model, new_opt_state
+
+
+class Apply(_Compiled):
+    """A compiled state-writing call; build it with [`eqx_state.make_apply`][].
+
+    Call it as `out, model = apply_fn(model, *args, **kwargs)`.
+    `apply_fn.trace_count` counts how often it was traced (compiled).
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, donate: bool, jit_kwargs: dict):
+        super().__init__(donate, jit_kwargs)
+        self.fn = fn
+
+    def _choose(self, leaves, spec, carry):
+        state = _state_ks(spec, carry)
+        return state, state  # only state is replaced (and donated)
+
+    def _compute(self, carry, args, kwargs):
+        (model,) = carry
+        out, model = apply(self.fn, model, *args, **kwargs)
+        return (model,), out
+
+    def __call__(self, model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        (new_model,), out = self._run((model,), args, kwargs)
+        return out, new_model
 
 
 def make_step(
@@ -493,3 +619,44 @@ def apply(
             "values (`buf[...]`), not cells; the new model is returned by `apply`."
         )
     return out, _refreeze(thawed, made)
+
+
+def make_apply(
+    fn: Callable[..., Any], *, donate: bool = True, **jit_kwargs: Any
+) -> Apply:
+    """Build a jit-compiled [`eqx_state.apply`][]: `out, model = apply_fn(model,
+    *args)` runs `fn(model, *args)`, letting it write state, in one compiled call.
+
+    It is what `eqx.filter_jit(lambda m, *a: es.apply(fn, m, *a))` computes, with the
+    guarantees of [`eqx_state.make_step`][]: tied cells stay one state (under
+    `eqx.filter_jit` every leaf becomes its own tracer and a tie is lost), the state
+    cells it replaces are donated (parameters are not: they are returned as they
+    came), ref-mode models stay on jit's fast dispatch path, and a model this call
+    returned is passed back without flattening it again. Use it for evaluation loops
+    that update metrics, BatchNorm recalibration, or decoding with a KV cache.
+
+    **Arguments:**
+
+    - `fn`: `fn(model, *args, **kwargs)`, any function of the model.
+    - `donate`: donate the state cells the call replaces; the model passed in is then
+        consumed (its parameters stay valid). `donate=False` keeps it valid.
+    - `**jit_kwargs`: passed to `jax.jit`.
+
+    **Returns:**
+
+    An [`eqx_state.Apply`][].
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    count = es.make_apply(lambda c: c.increment())
+    counter = es.nn.Counter()
+    for _ in range(3):
+        n, counter = count(counter)
+    assert int(n) == 3
+    ```
+    """
+    return Apply(fn, donate=donate, jit_kwargs=jit_kwargs)

@@ -251,17 +251,19 @@ def test_dropout_constructor_and_call_errors():
 @pytest.mark.parametrize(
     "mode,jit",
     [
-        ("value", False),
-        ("ref", False),
-        ("ref", True),
+        ("value", None),
+        ("ref", None),
+        ("ref", "filter_jit"),
+        ("value", "make_apply"),
+        ("ref", "make_apply"),
         pytest.param(
             "value",
-            True,
+            "filter_jit",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="core: under eqx.filter_jit each leaf becomes its own tracer, "
-                "so es.apply cannot see that two cells share one array (the tie is "
-                "lost in value mode); make_step deduplicates and keeps it",
+                reason="documented limitation: under eqx.filter_jit each leaf becomes "
+                "its own tracer, so es.apply cannot see that two cells share one array "
+                "(the tie is lost in value mode); es.make_apply and make_step keep it",
             ),
         ),
     ],
@@ -280,7 +282,10 @@ def test_shared_rng_is_one_stream(mode, jit):
     model = as_mode(Two(es.nn.Dropout(0.5, rng=rng), es.nn.Dropout(0.5, rng=rng)), mode)
     x = jnp.ones(64)
     run = lambda m, x: es.apply(lambda m, x: m(x), m, x)  # noqa: E731
-    run = eqx.filter_jit(run) if jit else run
+    if jit == "filter_jit":
+        run = eqx.filter_jit(run)
+    elif jit == "make_apply":
+        run = es.make_apply(lambda m, x: m(x))
     keys, _ = ref_keys(jax.random.key(12), 4)
     for step in range(2):
         (ya, yb), model = run(model, x)

@@ -1,0 +1,104 @@
+"""es.make_apply: a compiled es.apply that keeps ties, donates only state, stays on
+the fast path, and equals es.apply."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_state as es
+
+
+MODES = ["value", "ref"]
+
+
+class Net(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    mean: es.metrics.Mean
+
+    def __init__(self):
+        self.lin = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+        self.bn = es.nn.BatchNorm(4)
+        self.mean = es.metrics.Mean()
+
+    def __call__(self, x):
+        y = self.bn(jax.vmap(self.lin)(x))
+        self.mean.update(y)
+        return y
+
+
+def forward(model, x):
+    return model(x)
+
+
+def fresh(mode):
+    m = Net()
+    return es.to_refs(m) if mode == "ref" else m
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_equals_apply_and_compiles_once(mode):
+    xs = jax.random.normal(jax.random.key(1), (4, 8, 3))
+    run = es.make_apply(forward)
+    a, b = fresh(mode), fresh(mode)
+    for x in xs:
+        ya, a = run(a, x)
+        yb, b = es.apply(forward, b, x)
+        np.testing.assert_allclose(ya, yb, rtol=1e-6)
+    np.testing.assert_allclose(a.bn.running_var[...], b.bn.running_var[...], rtol=1e-6)
+    np.testing.assert_allclose(a.mean.compute(), b.mean.compute(), atol=1e-6)
+    assert int(a.bn.num_batches_tracked[...]) == 4
+    assert run.trace_count == 1
+    # a structurally equal model (not the one it returned) reuses the compilation
+    run(fresh(mode), xs[0])
+    assert run.trace_count == 1
+
+
+def test_donates_state_but_not_parameters():
+    model = Net()
+    run = es.make_apply(forward)
+    weight = model.lin.weight
+    _, new = run(model, jnp.ones((8, 3)))
+    assert not weight.is_deleted()  # parameters are not donated
+    np.testing.assert_array_equal(new.lin.weight, weight)
+    _, newer = run(new, jnp.ones((8, 3)))
+    assert newer.lin.weight is new.lin.weight  # ... and are returned as they came
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        run(model, jnp.ones((8, 3)))
+    keep = es.make_apply(forward, donate=False)
+    _, m1 = keep(newer, jnp.ones((8, 3)))
+    _, m2 = keep(newer, jnp.ones((8, 3)))  # the old model stays a valid snapshot
+    np.testing.assert_array_equal(m1.bn.running_mean[...], m2.bn.running_mean[...])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_cells_stay_tied(mode):
+    cell = es.Buffer(jnp.zeros(()))
+
+    class Tied(eqx.Module):
+        a: es.Buffer
+        b: es.Buffer
+
+        def __call__(self):
+            self.a[...] = self.a[...] + 1.0
+            self.b[...] = self.b[...] + 10.0
+            return self.a[...]
+
+    model = Tied(cell, cell)
+    if mode == "ref":
+        model = es.to_refs(model)
+    run = es.make_apply(lambda m: m())
+    for _ in range(2):
+        out, model = run(model)
+    assert float(out) == 22.0  # one cell: +1 then +10, twice; read after both
+    assert float(model.a[...]) == float(model.b[...]) == 22.0
+
+
+def test_inference_mode_model_writes_nothing_and_needs_no_state():
+    model = eqx.nn.inference_mode(Net())
+    run = es.make_apply(lambda m, x: jnp.sum(m.bn(x)))
+    out, new = run(model, jnp.ones((2, 4)))
+    assert int(new.bn.num_batches_tracked[...]) == 0
+    assert out.shape == ()
