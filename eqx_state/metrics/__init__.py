@@ -15,7 +15,7 @@ one (pure, associative), `metric.reduce(axis_name)` combines them over a named a
 metric in a model over without touching other state.
 
 Metrics have no `inference` flag and keep updating under
-[`eqx.nn.inference_mode`][equinox.nn.inference_mode]: evaluation is where they are
+[`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/): evaluation is where they are
 used most.
 
 Masks and sample weights: every `update` takes `mask=` (entries where it is false

@@ -176,7 +176,7 @@ class Metric(eqx.Module):
     - [`eqx_state.metrics.reset`][] returns a model whose metrics start over.
 
     Metrics have no `inference` field: they keep updating under
-    [`eqx.nn.inference_mode`][equinox.nn.inference_mode], because evaluation loops are
+    [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/), because evaluation loops are
     where they are used most.
 
     Every metric takes `axis_name` (default `None`): when set, each `update` first

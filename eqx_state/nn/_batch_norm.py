@@ -21,7 +21,7 @@ class BatchNorm(eqx.Module):
       `running_var = (1 - m) * running_var + m * unbiased_var`, where `m` is
       `momentum`, or `1 / num_batches_tracked` (a cumulative average) when
       `momentum=None`; `num_batches_tracked += 1`.
-    - evaluation ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]): normalise
+    - evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)): normalise
       with the running statistics; nothing is written.
     - `track_running_stats=False`: always normalise with batch statistics; no cells.
 

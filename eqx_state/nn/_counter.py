@@ -12,7 +12,7 @@ class Counter(eqx.Module):
     """An integer counter kept as state: the seed tutorial's counter as a layer.
 
     `increment()` adds one (or `by`) and returns the new count; `value` reads it. In
-    evaluation ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) `increment()`
+    evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) `increment()`
     writes nothing and returns the current count.
 
     **Arguments:**

@@ -42,7 +42,7 @@ class EMA(eqx.Module):
     Read the result with `averaged(model)` (the model with averaged parameters,
     for evaluation: the functional form of PyTorch's swap) or `average` (just the
     averaged parameters). In evaluation
-    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) `update` writes nothing.
+    ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) `update` writes nothing.
 
     **Arguments:**
 

@@ -44,7 +44,7 @@ class KVCache(eqx.Module):
         `es.apply` without `jit`), a [`eqx_state.StateWriteError`][] is raised
         before anything is written;
     - under `jit` / `scan`, with `on_overflow="raise"` (default) the check is an
-        [`eqx.error_if`][equinox.error_if] on the written keys: the call raises an
+        [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/) on the written keys: the call raises an
         `equinox.EquinoxRuntimeError` at run time (the usual `EQX_ON_ERROR`
         environment variable applies). A failing jitted call may already have
         consumed the cells it was given (donated buffers, or the buffers of ref-mode

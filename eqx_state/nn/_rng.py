@@ -70,7 +70,7 @@ class Rng(eqx.Module):
 
     A draw writes state: in value mode it runs inside [`eqx_state.make_step`][] /
     [`eqx_state.apply`][]; in ref mode ([`eqx_state.to_refs`][]) anywhere. An `Rng`
-    has no `inference` field, so [`eqx.nn.inference_mode`][equinox.nn.inference_mode]
+    has no `inference` field, so [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)
     does not stop it; layers such as [`eqx_state.nn.Dropout`][] simply do not draw in
     evaluation. Several layers may share one `Rng` (the same object at several
     places in a model is one stream).
@@ -174,7 +174,7 @@ class Dropout(eqx.Module):
     the kept entries are scaled by `1 / (1 - p)`, with the mask drawn as
     `jax.random.bernoulli(key, 1 - p, x.shape)` from the next key of the stream (as
     `eqx.nn.Dropout` does with an explicit key). In evaluation
-    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) it returns `x`
+    ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) it returns `x`
     unchanged and draws nothing, so no state is written. With `p=0` (identity) or
     `p=1` (zeros) the output does not depend on a mask, so nothing is drawn either.
 

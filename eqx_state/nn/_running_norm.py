@@ -28,7 +28,7 @@ class RunningNorm(eqx.Module):
     seen, however they were split into batches (up to float rounding); then it
     returns
     `clip((x - mean) / sqrt(var + eps), -clip, clip)`. In evaluation
-    ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]) it only normalises.
+    ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) it only normalises.
     Before any update the statistics are mean 0, variance 1. For per-example
     code, build it with `axis_name=` and map with [`eqx_state.vmap`][].
 

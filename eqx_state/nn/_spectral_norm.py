@@ -52,7 +52,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         $v \leftarrow \mathrm{normalize}(W_{\text{mat}}^\top u)$ (with
         `normalize(x) = x / max(|x|, eps)`) and writes $u, v$ to their
         [`eqx_state.BatchStat`][] cells;
-    - evaluation ([`eqx.nn.inference_mode`][equinox.nn.inference_mode]): uses the
+    - evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)): uses the
         stored $u, v$; nothing is written.
 
     Gradients flow into $W$ through both $W$ and $\sigma$, with $u, v$ held
