@@ -126,11 +126,13 @@ class RngState(Buffer):
 
 def _stale_message(what: str) -> str:
     return (
-        f"This {what} holds an array that was donated to (consumed by) an earlier "
-        "`eqx_state.make_step` call. A step donates the buffers it replaces, so after "
-        "`model, opt_state = step(model, opt_state, ...)` the old `model` and "
-        "`opt_state` must not be used again. Use the model the step returned, or build "
-        "the step with `make_step(..., donate=False)` to keep old models valid."
+        f"This {what} holds an array that was consumed (donated) by an earlier "
+        "call: `make_step` and `make_apply` donate the buffers they replace, so "
+        "after `model, opt_state = step(model, opt_state, ...)` the old `model` and "
+        "`opt_state` must not be used again (a jitted call that failed at run time "
+        "can also have consumed the ref-mode cells it was given). Use the model the "
+        "call returned, or build it with `make_step(..., donate=False)` / "
+        "`make_apply(..., donate=False)` to keep old models valid."
     )
 
 
@@ -298,7 +300,11 @@ def to_refs(model: Any) -> Any:
 
 
 def _freeze_one(v: Any) -> Any:
-    return jax.freeze(v) if _is_ref(v) else v
+    if not _is_ref(v):
+        return v
+    if jax_core.trace_state_clean():
+        return jax.freeze(v)  # eagerly: a copy, the ref stays valid
+    return v[...]  # in a trace the ref may come from outside it: read a snapshot
 
 
 def freeze(model: Any) -> Any:
@@ -325,6 +331,9 @@ def _thaw(model: Any) -> tuple[Any, set[int]]:
     def make(v: Any) -> Any:
         if _is_ref(v):
             return v
+        if isinstance(v, jax.Array) and not isinstance(v, jax_core.Tracer):
+            if v.is_deleted():
+                raise StaleModelError(_stale_message("model's state cell"))
         r = jax.new_ref(v, kind=_REF_KIND)
         made.add(id(r))
         return r

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -11,6 +12,18 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import _REF_KIND, Buffer, _is_ref, is_state
+
+
+# The axes of the `es.vmap` calls being traced, innermost last: layers that draw
+# randomness check it (every example of a per-example call would draw the same key).
+_MAPPED_AXES: contextvars.ContextVar[tuple[Hashable | None, ...]] = (
+    contextvars.ContextVar("eqx_state_mapped_axes", default=())
+)
+
+
+def mapped_axes() -> tuple[Hashable | None, ...]:
+    """The axis names of the `es.vmap` calls being traced (innermost last)."""
+    return _MAPPED_AXES.get()
 
 
 def _shadow(cells: list[Any], size: int) -> list[Any]:
@@ -109,13 +122,17 @@ def vmap(
             ]
             return f(*call_args)
 
-        out = jax.vmap(
-            inner,
-            in_axes=(0, *axes),
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-        )(shadows, *args)
+        token = _MAPPED_AXES.set((*_MAPPED_AXES.get(), axis_name))
+        try:
+            out = jax.vmap(
+                inner,
+                in_axes=(0, *axes),
+                out_axes=out_axes,
+                axis_name=axis_name,
+                axis_size=axis_size,
+            )(shadows, *args)
+        finally:
+            _MAPPED_AXES.reset(token)
         for cell, shadow in zip(cells, shadows):
             rows = jax.freeze(shadow)
             differs = jnp.any(rows != rows[:1]) if size > 1 else jnp.array(False)

@@ -79,7 +79,7 @@ def test_step_overhead_reference_matches_torch(step_overhead):
     snap = ref.snapshot()
 
     layers: list = []
-    for w, (gamma, beta) in zip(params["linears"], params["norms"], strict=True):
+    for w, (gamma, beta) in zip(params["layers"], params["norms"], strict=True):
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         bn = torch.nn.BatchNorm1d(w.shape[0], eps=step_overhead.EPS, momentum=0.1)
         with torch.no_grad():
@@ -87,7 +87,7 @@ def test_step_overhead_reference_matches_torch(step_overhead):
             bn.weight.copy_(torch.tensor(np.asarray(gamma)))
             bn.bias.copy_(torch.tensor(np.asarray(beta)))
         layers += [lin, bn, torch.nn.ReLU()]
-    head = torch.nn.Linear(size.width, step_overhead.NUM_CLASSES)
+    head = torch.nn.Linear(size.widths[-1], step_overhead.NUM_CLASSES)
     with torch.no_grad():
         head.weight.copy_(torch.tensor(np.asarray(params["head"][0])))
         head.bias.copy_(torch.tensor(np.asarray(params["head"][1])))

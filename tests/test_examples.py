@@ -119,15 +119,22 @@ def test_train_digits_tiny(tmp_path, capsys):
     assert result["step"].trace_count == 1
     # the reported test accuracy is sklearn's accuracy of the EMA model's predictions
     x_te, y_te = result["test"]
-    preds = np.asarray(example.predict(trainer.ema.averaged(trainer.net), jnp.asarray(x_te)))
+    preds = np.asarray(
+        example.predict(trainer.ema.averaged(trainer.net), jnp.asarray(x_te))
+    )
     assert history["test_accuracy_ema"][-1] == accuracy_score(y_te, preds)
     # the last epoch's training metrics saw all of its 4 batches of 64 images
     assert float(trainer.accuracy.total[...]) == 256
     # the checkpoint restores the trainer and optimizer state exactly
-    like = (example.Trainer(jax.random.key(1)), result["step"].init(example.Trainer(jax.random.key(1))))
+    like = (
+        example.Trainer(jax.random.key(1)),
+        result["step"].init(example.Trainer(jax.random.key(1))),
+    )
     loaded, _ = es.load(tmp_path / "digits.eqxs", like=like)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trainer)):
-        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(
+            a.dtype, jax.dtypes.prng_key
+        ):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert (tmp_path / "digits_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

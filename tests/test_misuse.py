@@ -168,32 +168,16 @@ def test_wrong_input_gives_a_clear_error_and_writes_nothing(probes, name, exc, m
         assert got["state_unchanged"], name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: an integer batch makes BatchNorm fail inside jnp.finfo with "
-    "'data type int32 not inexact', which does not name the fix (cast to float)",
-)
 def test_batch_norm_integer_input_names_the_cast(probes):
     got = probes["BatchNorm integer input"]
     assert got["exc"] == "TypeError" and "astype" in got["msg"], got
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a batch of one example in training mode is accepted silently "
-    "(batch variance 0, so running_var shrinks towards 0); PyTorch raises "
-    "'Expected more than 1 value per channel when training'",
-)
 def test_batch_norm_batch_of_one_in_training_is_an_error(probes):
     got = probes["BatchNorm batch of one in training"]
     assert got["exc"] == "ValueError" and got["state_unchanged"], got
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: Counter.increment(0.5) casts the step to the counter's integer "
-    "dtype and silently adds 0",
-)
 def test_counter_fractional_step_is_an_error(probes):
     got = probes["Counter fractional step"]
     assert got["exc"] in ("TypeError", "ValueError"), got
@@ -352,12 +336,6 @@ def test_stale_model_after_a_donating_step():
     assert step.trace_count == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: `es.apply` on a consumed value-mode model fails inside XLA with "
-    "'Buffer has been deleted or donated' (a ValueError), not StaleModelError: "
-    "`_thaw` does not check `is_deleted` as `to_refs` does",
-)
 def test_stale_model_in_apply():
     x = jnp.ones((4, 3))
     step = es.make_step(_loss, optax.sgd(0.1))
@@ -423,13 +401,6 @@ def test_freeze_is_a_snapshot_and_the_ref_model_stays_valid():
     assert int(frozen.bn.num_batches_tracked[...]) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="defect: `es.freeze` under `jit` of a ref-mode model calls `jax.freeze` "
-    "on a ref that was not created in the trace, and JAX's state discharge fails "
-    "with a bare KeyError; reading the ref (`ref[...]`) would give the snapshot",
-)
 def test_freeze_inside_jit_snapshots_the_state():
     model = es.to_refs(es.nn.Counter())
     model.increment()

@@ -799,11 +799,12 @@ _FILTER_VMAP_REF = Known(
     "suggested fix, `eqx.filter_vmap` of the step, is what was done; the fix that "
     "works is value mode, or `in_axes` that also maps refs ([[vmap (ensemble)]])"
 )
-_DROPOUT_SAME_MASK = Known(
-    "every example draws the same key from the one stream, so all "
-    "examples get the same dropout mask (the stream itself advances once, "
-    "correctly)",
-    silent=True,
+_ES_VMAP_RNG = Raises(
+    es.StateWriteError,
+    r"inside `es.vmap` without `axis_name`",
+    "every example would draw the same key from the one stream (the same mask); "
+    "the error says to map with `es.vmap(..., axis_name=name)` and build the "
+    "layer with `axis_name=name`, or to call it on the whole batch",
 )
 _FILTER_VMAP_REF_UNCLEAR = Known(
     "unclear error: for the same reason, the layer sees the whole stacked "
@@ -850,7 +851,7 @@ def expectation(case_name: str, column: str, mode: str) -> Raises | Known | None
         if not case.per_example:
             return _DIFFERENT_ROWS
         if "Dropout" in case_name:
-            return _DROPOUT_SAME_MASK
+            return _ES_VMAP_RNG
         return OK
     if column == "filter_vmap (ensemble)" and mode == "ref":
         if case_name in ("EMA", "SpectralNorm", "KVCache", "CausalSelfAttention") or (

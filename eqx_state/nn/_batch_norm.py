@@ -120,6 +120,11 @@ class BatchNorm(eqx.Module):
             raise ValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."
             )
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            raise TypeError(
+                f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
+                "first, e.g. `bn(x.astype(jnp.float32))`."
+            )
         axis = (
             self.channel_axis % x.ndim
             if -x.ndim <= self.channel_axis < x.ndim
@@ -167,6 +172,14 @@ class BatchNorm(eqx.Module):
             n = 1
             for i in red:
                 n *= x.shape[i]
+            if n == 1 and self.axis_name is None and not self.inference:
+                raise ValueError(
+                    f"BatchNorm got one value per channel (input shape {x.shape}) in "
+                    "training mode: the batch variance is 0, so the running variance "
+                    "would shrink towards 0 (PyTorch raises here too). Train with "
+                    "batches of more than one example, or evaluate with "
+                    "`eqx.nn.inference_mode(model)`."
+                )
             if self.axis_name is not None:
                 # E[x] and E[x^2] over the named axis, then the variance from them.
                 mean_sq = jnp.mean(jnp.square(xc), axis=red)

@@ -44,9 +44,16 @@ class Counter(eqx.Module):
 
     def increment(self, by: int | Int[Array, "..."] = 1) -> Int[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
+        step = jnp.asarray(by)
+        if not jnp.issubdtype(step.dtype, jnp.integer):
+            raise TypeError(
+                f"Counter.increment(by) needs an integer step, got {by!r} of dtype "
+                f"{step.dtype}; a counter counts whole steps (use a metric, e.g. "
+                "`es.metrics.Sum`, to accumulate fractional values)."
+            )
         if self.inference:
             return self.count[...]
-        new = self.count[...] + jnp.asarray(by, self.count.dtype)
+        new = self.count[...] + step.astype(self.count.dtype)
         self.count[...] = new
         return new
 

@@ -10,6 +10,7 @@ from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 
 from .._buffer import RngState
 from .._errors import StateWriteError
+from .._vmap import mapped_axes
 
 
 KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
@@ -143,6 +144,15 @@ class Rng(eqx.Module):
         A key of the stream's kind (typed or raw), of shape `()` (raw: `(2,)`), or a
         batch of `num` keys.
         """
+        if axis_name is None and mapped_axes():
+            raise StateWriteError(
+                "An Rng stream was drawn from inside `es.vmap` without `axis_name`: "
+                "every example would get the same key (the same dropout mask). Map "
+                "with `es.vmap(model, axis_name=name)` and build the layer with "
+                "`axis_name=name` (e.g. `Dropout(p, key=..., axis_name=name)`), so "
+                "each example folds its index into the key; or call the layer on the "
+                "whole batch."
+            )
         current = self.peek()
         if num is None:
             new, out = jax.random.split(current)
