@@ -309,8 +309,9 @@ class Metric(eqx.Module):
                 new_cells.append(cell)
                 continue
             if id(old) not in memo:  # keep `old` alive so that its id is not reused
-                memo[id(old)] = (old, _fill(kind, cell.shape, cell.dtype))
-            new_cells.append(MetricState(memo[id(old)][1]))
+                fresh = MetricState(_fill(kind, cell.shape, cell.dtype))
+                memo[id(old)] = (old, fresh)
+            new_cells.append(memo[id(old)][1])  # one cell object: tied stay tied
         return eqx.tree_at(lambda m: m._cells(), self, tuple(new_cells))
 
     def _check_mergeable(self, other: Any, what: str) -> None:
