@@ -486,6 +486,48 @@ class EsRefScan(EsRef):
         return lowered.compile().compiled.memory_analysis()
 
 
+class EsMakeApply(Variant):
+    name = "es_make_apply"
+    label = "eqx_state value mode, es.make_apply per token (state donated)"
+    kind = "token"
+    ref_mode = False
+
+    def __init__(self, cfg, model):
+        super().__init__(cfg, model)
+        self.model = model
+        self.prefill_fn = es.make_apply(_es_prefill)
+        self.step_fn = es.make_apply(_es_step)
+        self.reset()
+
+    def reset(self):
+        cached = es.nn.with_kv_cache(
+            self.model, self.cfg.max_len, on_overflow=self.cfg.on_overflow
+        )
+        self.cached = es.to_refs(cached) if self.ref_mode else cached
+
+    def prefill(self, prompt):
+        out, self.cached = self.prefill_fn(self.cached, prompt)
+        return out
+
+    def step(self, token):
+        out, self.cached = self.step_fn(self.cached, token)
+        return out
+
+    def memory_analysis(self, token):
+        # the compiled function of the last call, lowered again for the same inputs
+        _, plan, _, dyn = self.step_fn._last
+        donated, kept = plan.split(dyn)
+        lowered = plan.fn.lower(donated, kept, [], (token,), {})
+        return lowered.compile().memory_analysis()
+
+
+class EsRefMakeApply(EsMakeApply):
+    name = "es_ref_make_apply"
+    label = "eqx_state ref mode, es.make_apply per token (buffers passed by value)"
+    kind = "token"
+    ref_mode = True
+
+
 VARIANTS: dict[str, type[Variant]] = {
     v.name: v
     for v in (
@@ -497,6 +539,8 @@ VARIANTS: dict[str, type[Variant]] = {
         EsValueScan,
         EsRef,
         EsRefScan,
+        EsMakeApply,
+        EsRefMakeApply,
     )
 }
 BASELINE = {"token": "pure_jax", "scan": "pure_jax_scan"}
