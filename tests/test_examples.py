@@ -139,3 +139,23 @@ def test_train_digits_tiny(tmp_path, capsys):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert (tmp_path / "digits_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "test accuracy with EMA weights" in capsys.readouterr().out
+
+
+def test_ensemble_vmap_tiny(capsys):
+    example = load("ensemble_vmap")
+    result = example.main(["--members", "3", "--steps", "5", "--batch-size", "16"])
+    ens = result["ensemble"]
+    assert ens.lin1.weight.shape[0] == 3
+    assert np.asarray(ens.bn.num_batches_tracked[...]).tolist() == [5, 5, 5]
+    # members are independent models: different weights and statistics
+    rm = np.asarray(ens.bn.running_mean[...])
+    assert not np.allclose(rm[0], rm[1])
+    # the reported accuracies are those of each member's own predictions
+    x_te, y_te = result["test"]
+    import equinox as eqx
+
+    for j in range(3):
+        member = jax.tree.map(lambda a: a[j] if eqx.is_array(a) else a, ens)
+        preds = np.asarray(jnp.argmax(eqx.nn.inference_mode(member)(jnp.asarray(x_te)), -1))
+        np.testing.assert_allclose(result["member_acc"][j], np.mean(preds == y_te))
+    assert "ensemble (mean probabilities) test accuracy" in capsys.readouterr().out
