@@ -155,7 +155,9 @@ def test_ensemble_vmap_tiny(capsys):
     import equinox as eqx
 
     for j in range(3):
-        member = jax.tree.map(lambda a: a[j] if eqx.is_array(a) else a, ens)
-        preds = np.asarray(jnp.argmax(eqx.nn.inference_mode(member)(jnp.asarray(x_te)), -1))
+        member = jax.tree.map(lambda a, j=j: a[j] if eqx.is_array(a) else a, ens)
+        preds = np.asarray(
+            jnp.argmax(eqx.nn.inference_mode(member)(jnp.asarray(x_te)), -1)
+        )
         np.testing.assert_allclose(result["member_acc"][j], np.mean(preds == y_te))
     assert "ensemble (mean probabilities) test accuracy" in capsys.readouterr().out
