@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
         ensemble, opt_state = ens_step(ensemble, opt_state, x_tr[idx], y_tr[idx])
 
     evaluate = eqx.filter_jit(
-        eqx.filter_vmap(lambda m, x: jax.nn.softmax(m(x)), in_axes=(eqx.if_array(0), None))
+        eqx.filter_vmap(
+            lambda m, x: jax.nn.softmax(m(x)), in_axes=(eqx.if_array(0), None)
+        )
     )
     probs = evaluate(eqx.nn.inference_mode(ensemble), jnp.asarray(x_te))  # [m, n, 10]
     member_acc = np.mean(np.asarray(jnp.argmax(probs, -1)) == y_te[None], axis=1)
