@@ -3,7 +3,7 @@ storage modes (`to_refs` / `freeze`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
@@ -64,6 +64,11 @@ class Buffer(eqx.Module):
     **Arguments:**
 
     - `value`: the initial value; anything `jnp.asarray` accepts.
+    - `tie`: a hashable tag for a cell meant to be shared by several layers (an
+        [`eqx_state.nn.Rng`][] stream has one): cells with one tag are one state
+        even inside traces that rebuild the model leaf by leaf (`eqx.filter_jit`
+        around `es.apply`, ensembles built with `eqx.filter_vmap`). Default `None`:
+        cells are tied by array identity only.
 
     **Example:**
 
@@ -77,6 +82,11 @@ class Buffer(eqx.Module):
     """
 
     value: Any = eqx.field(converter=_to_value)
+    # Cells made to be shared (an `Rng` stream several layers draw from) carry a tie
+    # tag: inside a trace, where a shared array has become several tracers (under
+    # `jax.jit` / `eqx.filter_jit`, or after `eqx.filter_vmap(make)`), cells with one
+    # tag are still one state. Untagged cells are tied by array identity only.
+    tie: Hashable | None = eqx.field(default=None, static=True)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -245,13 +255,13 @@ def params(model: Any) -> Any:
 def _map_cells(fn: Callable[[Any], Any], tree: Any) -> Any:
     """Apply `fn` to the value of every cell, once per distinct value (tied cells
     stay tied)."""
-    memo: dict[int, Any] = {}
+    memo: dict[Any, Any] = {}
 
     def one(x: Any) -> Any:
         if not isinstance(x, Buffer):
             return x
         v = x.value
-        key = id(v)
+        key: Any = id(v) if x.tie is None else ("tie", x.tie)
         if key not in memo:
             memo[key] = (v, fn(v))  # keep `v` alive so its id is not reused
         return eqx.tree_at(lambda b: b.value, x, memo[key][1])

@@ -183,3 +183,26 @@ def test_apply_is_pure_in_value_mode_and_jits():
     n1b, _ = run(counter)  # the old model is a valid snapshot
     assert (int(n1), int(n2), int(n1b)) == (1, 2, 1)
     assert int(counter.value) == 0
+
+
+def test_tagged_cells_stay_tied_under_filter_jit():
+    """Under eqx.filter_jit every leaf becomes its own tracer, so identity cannot tie
+    two cells inside es.apply; a tie tag can. Untagged, the tie is lost (documented)."""
+
+    class Two(eqx.Module):
+        a: es.Buffer
+        b: es.Buffer
+
+        def __call__(self):
+            self.a[...] = self.a[...] + 1.0
+            self.b[...] = self.b[...] + 10.0
+
+    run = eqx.filter_jit(lambda m: es.apply(lambda m: m(), m)[1])
+    tagged = es.Buffer(jnp.zeros(()), tie="shared")
+    model = Two(tagged, tagged)
+    for _ in range(2):
+        model = run(model)
+    assert float(model.a[...]) == float(model.b[...]) == 22.0
+    plain = es.Buffer(jnp.zeros(()))
+    model = run(Two(plain, plain))
+    assert (float(model.a[...]), float(model.b[...])) == (1.0, 10.0)  # untied

@@ -813,20 +813,12 @@ _FILTER_VMAP_REF_UNCLEAR = Known(
 )
 
 
-_TIE_LOST_JIT = Known(
-    "`jax.jit` / `eqx.filter_jit` make each leaf its own tracer, so the "
-    "cell that both Dropouts share becomes two cells inside `es.apply`: the "
-    "stream advances once per call instead of twice, and both layers draw the "
-    "same key. `es.make_apply`, `es.make_step` and ref mode keep the tie",
-    silent=True,
+_TIED_REF_TWICE = Known(
+    "loud but unclear: the shared stream is one ref (its tie tag holds), and JAX "
+    "refuses a ref that appears twice among the arguments of `jax.vmap` / "
+    '`lax.scan` ("only one reference to a mutable array may be passed"); '
+    "ensembles and layer stacks with shared streams work in value mode"
 )
-_TIE_LOST_STACKED = Known(
-    "an ensemble (or stack) built with `eqx.filter_vmap(make)` holds the "
-    "shared cell as two separate arrays (the outputs of a vmap never alias), so "
-    "each member's two Dropouts draw from two streams",
-    silent=True,
-)
-_JITTED_APPLY = ("jit", "filter_jit", "cond", "switch", "while_loop", SHARDED)
 _STACKED = ("vmap (ensemble)", "filter_vmap (ensemble)", "scan (layers)")
 
 
@@ -835,14 +827,13 @@ def expectation(case_name: str, column: str, mode: str) -> Raises | Known | None
     documented error (`Raises`), or a known defect (`Known`)."""
     case = CASE_BY_NAME[case_name]
     tied = case_name == "Dropout x2, one Rng"
-    if tied and column in _JITTED_APPLY and mode == "value":
-        return _TIE_LOST_JIT
     if (
         tied
+        and mode == "ref"
         and column in _STACKED
-        and not (column.startswith("filter") and mode == "ref")
+        and not column.startswith("filter")
     ):
-        return _TIE_LOST_STACKED
+        return _TIED_REF_TWICE
     if column == "vmap (per example)":
         # JAX refuses any write into an unbatched ref inside `jax.vmap`, even of a
         # value that does not depend on the example (a counter increment).
@@ -978,11 +969,12 @@ _PATTERNS = (
     "carry no gradient, and `jax.checkpoint` under `grad` does not replay them: a "
     "counter counts one call once.",
     "**Tied state** (one cell reachable from two places, e.g. one `Rng` shared by "
-    "two Dropouts) is one state as long as the cell holds one array object or one "
-    "ref. Anything that rebuilds the leaves one by one unties it silently: "
-    "`jax.jit` / `eqx.filter_jit` around `es.apply` in value mode, "
-    "`eqx.filter_vmap(make)` for ensembles, `jax.tree.map(jax.device_put, ...)`. "
-    "`es.make_step`, `es.make_apply` and ref mode keep ties.",
+    "two Dropouts) is one state everywhere in this matrix: an `Rng` stream carries a "
+    "tie tag (`Buffer(..., tie=...)`), so its cells stay one state even where the "
+    "leaves are rebuilt one by one (`jax.jit` / `eqx.filter_jit` around `es.apply`, "
+    "`eqx.filter_vmap(make)` for ensembles). A cell you share yourself without a tag "
+    "is tied by array identity only: give it a tag, or keep to `es.make_step`, "
+    "`es.make_apply` and ref mode, which keep ties by identity.",
 )
 
 

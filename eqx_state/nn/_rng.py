@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from typing import Any
 
@@ -15,6 +16,9 @@ from .._vmap import mapped_axes
 
 KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
 """A typed key (`jax.random.key`) or a raw `uint32[2]` key, possibly batched."""
+
+
+_STREAMS = itertools.count()
 
 
 def _as_key(seed_or_key: Any) -> KeyBatch:
@@ -74,7 +78,11 @@ class Rng(eqx.Module):
     has no `inference` field, so [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)
     does not stop it; layers such as [`eqx_state.nn.Dropout`][] simply do not draw in
     evaluation. Several layers may share one `Rng` (the same object at several
-    places in a model is one stream).
+    places in a model is one stream). Its cell carries a tie tag, unique to the
+    stream, so the sharing survives traces that rebuild the model leaf by leaf
+    (`eqx.filter_jit` around `es.apply`, `eqx.filter_vmap` ensembles). The tag is
+    static: two separately built models with streams differ in their tags, and a
+    compiled step or apply traces once for each.
 
     **Arguments:**
 
@@ -109,7 +117,8 @@ class Rng(eqx.Module):
             data = key
         # A copy: `make_step` donates state cells, which must not consume the
         # caller's key (users often reuse a key they passed in).
-        self.key = RngState(jnp.copy(data))
+        # one stream, one tag: layers sharing this Rng share one state in any trace
+        self.key = RngState(jnp.copy(data), tie=("Rng", next(_STREAMS)))
 
     def _wrap(self, data: Array) -> KeyBatch:
         if self.impl is None:
