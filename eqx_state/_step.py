@@ -173,8 +173,6 @@ class _Compiled:
     donate what is replaced, keep tied cells tied, and skip all of it when called on
     what the previous call returned."""
 
-    _n_carry = 1
-
     def __init__(self, donate: bool, jit_kwargs: dict[str, Any]):
         self.donate = donate
         self._jit_kwargs = jit_kwargs
@@ -320,8 +318,6 @@ class Step(_Compiled):
     `aux` appended when `has_aux=True`). `step.init(model)` returns the optimizer
     state. `step.trace_count` counts how often the step was traced (compiled).
     """
-
-    _n_carry = 2
 
     def __init__(
         self,

@@ -1,28 +1,16 @@
 """The benchmark scripts run, check their variants, and report every variant."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from _scripts import load_script
 
 
 pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 
-_BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"_bench_{name}", _BENCH / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", name, module_name=f"_bench_{name}")
 
 
 @pytest.fixture(scope="module")

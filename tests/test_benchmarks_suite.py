@@ -1,7 +1,6 @@
 """benchmarks/run.py runs every benchmark (tiny) and reports each; the CNN and residual
 references of the step benchmarks match PyTorch; the many-cells fit is right."""
 
-import importlib.util
 import json
 import math
 import re
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _scripts import load_script
 
 
 pytest.importorskip("flax")
@@ -30,12 +30,7 @@ SECTIONS = [
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", name)
 
 
 @pytest.fixture(scope="module")

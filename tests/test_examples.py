@@ -1,25 +1,14 @@
 """Every example script runs (at a tiny size) and prints what its docstring promises."""
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from _scripts import load_script
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses (eqx.Module) look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", name)
 
 
 def test_counter_prints_1_2_3_in_both_modes(capsys):

@@ -3,15 +3,12 @@ Equinox's multi-head attention, cached decoding against the uncached forward (ea
 jitted, inside `lax.scan`, both storage modes), overflow, reset, and in-place
 updates."""
 
-import importlib.util
-import pathlib
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _scripts import cached_script
 
 import eqx_state as es
 
@@ -21,15 +18,7 @@ D, H = 16, 4
 
 
 def load_example():
-    name = "_decode_kv_cache_example"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parent.parent / "examples"
-        spec = importlib.util.spec_from_file_location(name, path / "decode_kv_cache.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return cached_script("examples", "decode_kv_cache", "_decode_kv_cache_example")
 
 
 def as_mode(model, mode):

@@ -2,34 +2,19 @@
 report every variant."""
 
 import ast
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-
-_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(path: Path, name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from _scripts import cached_script
 
 
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("matplotlib")
-    return _load(_ROOT / "benchmarks" / "kv_cache.py", "_bench_kv_cache")
+    return cached_script("benchmarks", "kv_cache", "_bench_kv_cache")
 
 
 def test_decode_example_prints_tokens_and_matches_uncached(capsys):
-    ex = _load(_ROOT / "examples" / "decode_kv_cache.py", "_decode_kv_cache_example")
+    ex = cached_script("examples", "decode_kv_cache", "_decode_kv_cache_example")
     diff = ex.main(["--steps", "6", "--prompt-len", "3"])
     out = capsys.readouterr().out
     assert diff < 1e-5
