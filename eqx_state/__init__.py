@@ -2,11 +2,13 @@
 
 from . import metrics as metrics, nn as nn
 from ._buffer import (
+    AverageState as AverageState,
     BatchStat as BatchStat,
     Buffer as Buffer,
     Cache as Cache,
     CounterState as CounterState,
     MetricState as MetricState,
+    PowerIterationState as PowerIterationState,
     RngState as RngState,
     freeze as freeze,
     is_state as is_state,

@@ -87,6 +87,11 @@ class Buffer(eqx.Module):
     # `jax.jit` / `eqx.filter_jit`, or after `eqx.filter_vmap(make)`), cells with one
     # tag are still one state. Untagged cells are tied by array identity only.
     tie: Hashable | None = eqx.field(default=None, static=True)
+    # What `es.reset` writes back (broadcast to the cell's shape): a Python scalar
+    # fill, or `None` for a cell that has no initial value to go back to.
+    init: bool | int | float | complex | None = eqx.field(
+        default=None, static=True, kw_only=True
+    )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -132,6 +137,14 @@ class Cache(Buffer):
 
 class RngState(Buffer):
     """A PRNG key advanced on every draw."""
+
+
+class AverageState(Buffer):
+    """A running average of parameters (the weights an `EMA` keeps)."""
+
+
+class PowerIterationState(Buffer):
+    """Power-iteration vectors (`SpectralNorm`'s `u` and `v`)."""
 
 
 def _stale_message(what: str) -> str:
