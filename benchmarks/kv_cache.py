@@ -514,11 +514,8 @@ class EsMakeApply(Variant):
         return out
 
     def memory_analysis(self, token):
-        # the compiled function of the last call, lowered again for the same inputs
-        _, plan, _, dyn = self.step_fn._last
-        donated, kept = plan.split(dyn)
-        lowered = plan.fn.lower(donated, kept, [], (token,), {})
-        return lowered.compile().memory_analysis()
+        # the program a call on the current cache runs
+        return self.step_fn.lower(self.cached, token).compile().memory_analysis()
 
 
 class EsRefMakeApply(EsMakeApply):

@@ -116,7 +116,7 @@ def worker(n_devices: int, width: int, depth: int, batch: int, rounds: int, step
 
     def fresh_es(ref):
         m = MLP(key)
-        m = es.to_refs(m) if ref else m
+        m = es.to_refs(m, sharding=rep) if ref else m
         step = es.make_step(loss_fn, opt, mesh=mesh)
         return step, [m, step.init(m)]
 

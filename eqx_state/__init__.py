@@ -10,10 +10,9 @@ from ._buffer import (
     MetricState as MetricState,
     PowerIterationState as PowerIterationState,
     RngState as RngState,
-    freeze as freeze,
+    is_array as is_array,
     is_state as is_state,
     params as params,
-    to_refs as to_refs,
 )
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._errors import (
@@ -22,6 +21,7 @@ from ._errors import (
     StateWriteError as StateWriteError,
     StepError as StepError,
 )
+from ._modes import freeze as freeze, to_refs as to_refs
 from ._step import (
     Apply as Apply,
     Step as Step,

@@ -1,39 +1,36 @@
-"""State cells: `Buffer` and its kinds, the filters that select them, and the two
-storage modes (`to_refs` / `freeze`)."""
+"""State cells: `Buffer` and its kinds, how a layer reads and writes them, and the
+filters that select cells, parameters and arrays."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+import contextvars
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
+import numpy as np
 
-from ._errors import StaleModelError, StateWriteError
-
-
-_REF_KIND = "no_grad_no_remat"
-# `no_grad_no_remat` refs accept writes of differentiated values (they are not
-# differentiated through) and are written once under `jax.checkpoint` + `grad`;
-# plain refs raise on the first and silently write twice on the second.
+from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed
+from ._errors import StaleModelError, StateError, StateWriteError
 
 
-try:  # a view of a ref (`ref.at[i]`), e.g. one layer of a stacked state in a scan
-    from jax._src.state.types import TransformedRef as _TransformedRef
-
-    _REF_TYPES: tuple[type, ...] = (jax.Ref, _TransformedRef)
-except ImportError:  # pragma: no cover - depends on the JAX version
-    _REF_TYPES = (jax.Ref,)
+REF_KIND = "no_grad_no_remat"
+# Every ref eqx_state makes has this kind. `no_grad_no_remat` refs accept writes of
+# differentiated values (they are not differentiated through) and are written once
+# under `jax.checkpoint` + `grad`; plain refs raise on the first and silently write
+# twice on the second.
+_REF_KIND = REF_KIND  # the old private name, kept for modules that import it
 
 
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, _REF_TYPES)
+    return isinstance(x, REF_TYPES)
 
 
 def _to_value(x: Any) -> Any:
-    if _is_ref(x) or isinstance(x, jax_core.Tracer):
+    if _is_ref(x) or isinstance(x, Tracer):
         return x
     if isinstance(x, jax.Array):
         # a copy: a step donates the cell's array, which must not delete the caller's
@@ -42,6 +39,13 @@ def _to_value(x: Any) -> Any:
     if getattr(x, "weak_type", False):
         x = jnp.asarray(x, dtype=x.dtype)  # a cell has a definite dtype
     return x
+
+
+# The axis names of the `es.vmap` calls being traced, innermost last (`_vmap.py`
+# sets it): a write that fails under one of them gets advice about `es.vmap`.
+MAPPED_AXES: contextvars.ContextVar[tuple[Hashable | None, ...]] = (
+    contextvars.ContextVar("eqx_state_mapped_axes", default=())
+)
 
 
 class Buffer(eqx.Module):
@@ -53,22 +57,26 @@ class Buffer(eqx.Module):
 
     * Read with `buf[...]` (or `buf.value` for the raw leaf).
     * Write with `buf[...] = new` (or any index: `buf[i] = row`). A write never
-      carries a gradient. In value mode a write is only possible inside
-      [`eqx_state.make_step`][] or [`eqx_state.apply`][]; in ref mode
-      ([`eqx_state.to_refs`][]) anywhere.
+      carries a gradient, and keeps the cell's dtype and shape. In value mode a write
+      is only possible inside [`eqx_state.make_step`][] or [`eqx_state.apply`][]; in
+      ref mode ([`eqx_state.to_refs`][]) anywhere.
+
+    A cell is a value like any other leaf of a pytree: the same cell object placed at
+    two positions of a model is two independent states (as the same layer at two
+    places is two layers in Equinox). To share one state between layers, declare it
+    with [`eqx.nn.Shared`](https://docs.kidger.site/equinox/api/nn/shared/).
 
     Subclasses name the kind of state so that filters can select it:
     [`eqx_state.BatchStat`][], [`eqx_state.CounterState`][],
-    [`eqx_state.MetricState`][], [`eqx_state.Cache`][], [`eqx_state.RngState`][].
+    [`eqx_state.MetricState`][], [`eqx_state.Cache`][], [`eqx_state.RngState`][],
+    [`eqx_state.AverageState`][], [`eqx_state.PowerIterationState`][].
 
     **Arguments:**
 
-    - `value`: the initial value; anything `jnp.asarray` accepts.
-    - `tie`: a hashable tag for a cell meant to be shared by several layers (an
-        [`eqx_state.nn.Rng`][] stream has one): cells with one tag are one state
-        even inside traces that rebuild the model leaf by leaf (`eqx.filter_jit`
-        around `es.apply`, ensembles built with `eqx.filter_vmap`). Default `None`:
-        cells are tied by array identity only.
+    - `value`: the initial value; anything `jnp.asarray` accepts. JAX arrays are
+        copied (a step donates its cells, which must not consume the caller's array).
+    - `init`: the fill a reset writes back (a Python scalar, broadcast to the cell's
+        shape), or `None` for a cell with no initial value to go back to.
 
     **Example:**
 
@@ -82,19 +90,19 @@ class Buffer(eqx.Module):
     """
 
     value: Any = eqx.field(converter=_to_value)
-    # Cells made to be shared (an `Rng` stream several layers draw from) carry a tie
-    # tag: inside a trace, where a shared array has become several tracers (under
-    # `jax.jit` / `eqx.filter_jit`, or after `eqx.filter_vmap(make)`), cells with one
-    # tag are still one state. Untagged cells are tied by array identity only.
-    tie: Hashable | None = eqx.field(default=None, static=True)
-    # What `es.reset` writes back (broadcast to the cell's shape): a Python scalar
-    # fill, or `None` for a cell that has no initial value to go back to.
     init: bool | int | float | complex | None = eqx.field(
         default=None, static=True, kw_only=True
     )
+    # Ref mode only: a zero-size array of shape `(*value.shape, 0)`. It is an array to
+    # Equinox, so filtered transformations slice it along with the model's arrays,
+    # while a ref they treat as static is not sliced: a shape mismatch between the two
+    # says that a layer sees a ref its transformation did not slice (see `_check`).
+    witness: Any = eqx.field(default=None, kw_only=True, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if _is_ref(self.value):
+            _check_ref(self)
         return tuple(self.value.shape)
 
     @property
@@ -103,16 +111,10 @@ class Buffer(eqx.Module):
 
     def __getitem__(self, idx: Any) -> jax.Array:
         v = self.value
-        if type(v) is jax.Ref:  # a concrete ref: its array may have been consumed
-            buf = getattr(getattr(v, "_refs", None), "_buf", None)
-            if buf is not None and buf.is_deleted():
-                raise StaleModelError(_stale_message(type(self).__name__))
-        elif (
-            isinstance(v, jax.Array)
-            and not isinstance(v, jax_core.Tracer)
-            and v.is_deleted()
-        ):
-            raise StaleModelError(_stale_message(type(self).__name__))
+        if _is_ref(v):
+            _check_ref(self)
+        elif isinstance(v, jax.Array) and not isinstance(v, Tracer) and v.is_deleted():
+            raise StaleModelError(stale_message(describe(self)))
         return v[idx]
 
     def __setitem__(self, idx: Any, new: Any) -> None:
@@ -147,26 +149,76 @@ class PowerIterationState(Buffer):
     """Power-iteration vectors (`SpectralNorm`'s `u` and `v`)."""
 
 
-def _stale_message(what: str) -> str:
+# The paths of the cells of the model a step or an apply is running, by their ref:
+# refs are mutable objects, so their identity is what names a cell during the call.
+_PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "eqx_state_cell_paths", default=None
+)
+
+
+@contextlib.contextmanager
+def named_cells(paths: dict[int, str]) -> Iterator[None]:
+    """Within the block, errors about the cells whose refs are in `paths` (by `id`)
+    name their path in the model."""
+    token = _PATHS.set({**(_PATHS.get() or {}), **paths})
+    try:
+        yield
+    finally:
+        _PATHS.reset(token)
+
+
+def describe(buf: Buffer) -> str:
+    """How errors name a cell: its kind, shape and, inside a step or an apply, its
+    path in the model (`blocks.0.bn.running_mean`)."""
+    shape = tuple(getattr(buf.value, "shape", ()))
+    path = (_PATHS.get() or {}).get(id(buf.value))
+    where = f" at `{path}`" if path else ""
+    return f"{type(buf).__name__} cell{where} (shape {shape})"
+
+
+def stale_message(what: str) -> str:
     return (
-        f"This {what} holds an array that was consumed (donated) by an earlier "
-        "call: `make_step` and `make_apply` donate the buffers they replace, so "
-        "after `model, opt_state = step(model, opt_state, ...)` the old `model` and "
-        "`opt_state` must not be used again (a jitted call that failed at run time "
-        "can also have consumed the ref-mode cells it was given). Use the model the "
-        "call returned, or build it with `make_step(..., donate=False)` / "
-        "`make_apply(..., donate=False)` to keep old models valid."
+        f"The {what} holds an array that was consumed (donated) by an earlier call: "
+        "`make_step` and `make_apply` donate the buffers they replace, so after "
+        "`model, opt_state = step(model, opt_state, ...)` the old `model` and "
+        "`opt_state` must not be used again. A donating call whose compiled program "
+        "fails at run time (an `eqx.error_if` check, a NaN check) has also consumed "
+        "what it was given. Use the model the call returned, or build the step with "
+        "`make_step(..., donate=False)` / `make_apply(..., donate=False)` to keep "
+        "old models valid."
     )
+
+
+def _check_ref(buf: Buffer) -> None:
+    """Refuse to use a ref that a filtered transformation left unsliced, or one
+    whose array was consumed."""
+    ref, witness = buf.value, buf.witness
+    # A ref with more leading axes than its witness was not sliced where the
+    # model's arrays were. (Fewer is harmless: the ref was mapped and the witness
+    # not, e.g. by `in_axes` written for the model at rest.)
+    if witness is not None and ref.ndim > witness.ndim - 1:
+        raise StateError(
+            f"The {describe(buf)} holds a ref of shape {tuple(ref.shape)}, but the "
+            f"layer was handed a slice of shape {tuple(witness.shape[:-1])}: a "
+            "transformation sliced or batched the model's arrays but not its state "
+            "refs, which Equinox's filters treat as static (`eqx.is_array` is False "
+            "for a `jax.Ref`). The usual cause is scan-over-layers or "
+            "`eqx.filter_vmap` with `eqx.partition(model, eqx.is_array)`; use "
+            "`eqx.partition(model, es.is_array)` (arrays *and* refs) instead, so that "
+            "each layer gets its own slice of every state ref. (If you replaced the "
+            "cell's ref with `eqx.tree_at`, replace the whole cell instead.)"
+        )
+    if ref_is_consumed(ref):
+        raise StaleModelError(stale_message(describe(buf)))
 
 
 def _write(buf: Buffer, idx: Any, new: Any) -> None:
     cell = buf.value
-    kind = type(buf).__name__
     if not _is_ref(cell):
         raise StateWriteError(
-            f"A layer tried to write its state ({kind} of shape {tuple(cell.shape)}), "
-            "but the model is in value mode and no step is running, so the cell holds "
-            "an immutable array and the write would be lost. Do one of:\n"
+            f"A layer tried to write the {describe(buf)}, but the model is in value "
+            "mode and no step is running, so the cell holds an immutable array and "
+            "the write would be lost. Do one of:\n"
             "  * run the call through `eqx_state.make_step` (training) or "
             "`out, model = eqx_state.apply(fn, model, *args)` (any state-writing "
             "forward pass, e.g. evaluation loops or BatchNorm recalibration);\n"
@@ -175,45 +227,99 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
             "  * or, if you meant to evaluate, call `eqx.nn.inference_mode(model)` "
             "first so that layers do not write state."
         )
-    new = jnp.asarray(new)
-    if new.dtype != cell.dtype:
-        if getattr(new, "weak_type", False) or _is_weak(new):
-            new = new.astype(cell.dtype)
-        else:
-            raise StateWriteError(
-                f"Cannot write a value of dtype {new.dtype} into a {kind} cell of "
-                f"dtype {cell.dtype}: state cells keep their dtype. Cast first, e.g. "
-                f"`buf[...] = value.astype(buf.dtype)`."
-            )
+    _check_ref(buf)
+    new = _cast_for(buf, jnp.asarray(new))
     if idx is Ellipsis and tuple(new.shape) != tuple(cell.shape):
         raise StateWriteError(
-            f"Cannot write a value of shape {tuple(new.shape)} into a {kind} cell of "
-            f"shape {tuple(cell.shape)}: a whole-cell write `buf[...] = v` needs the "
-            "same shape (no broadcasting). Reshape the value, or write part of the "
-            "cell with an index, e.g. `buf[i] = row`."
+            f"Cannot write a value of shape {tuple(new.shape)} into the "
+            f"{describe(buf)}: a whole-cell write `buf[...] = v` needs the same shape "
+            "(no broadcasting). Reshape the value, or write part of the cell with an "
+            "index, e.g. `buf[i] = row`."
         )
     try:
         cell[idx] = jax.lax.stop_gradient(new)
-    except Exception as e:  # noqa: BLE001 -- re-raised with the fix named
-        msg = str(e)
-        if "vmapped value on an unbatched" in msg:
-            raise StateWriteError(
-                f"A {kind} cell was written inside `jax.vmap` with a per-example "
-                "(batched) value, but the cell itself is not batched: JAX cannot write "
-                "a vmapped value into an unbatched ref. Either map per-example calls "
-                "with `eqx_state.vmap(model, axis_name=...)` (with layers that reduce "
-                "over that axis, e.g. `BatchNorm(..., axis_name=...)`), call the layer "
-                "on the whole batch instead, or vmap over an ensemble of models whose "
-                "state has the same leading axis (`eqx.filter_vmap` of the step)."
-            ) from e
+    except Exception as e:
+        # JAX refuses any write into a ref that an enclosing `vmap` does not batch
+        # (even of an unbatched value) with a bare `Exception`; recognise the case by
+        # that type and the ref not being batched, not by the message's text.
+        if type(e) is Exception and not is_batched(cell):
+            raise StateWriteError(_unbatched_message(buf, e)) from e
         raise
 
 
-def _is_weak(x: Any) -> bool:
-    try:
-        return bool(jax.typeof(x).weak_type)
-    except Exception:  # noqa: BLE001
+def _unbatched_message(buf: Buffer, e: Exception) -> str:
+    return _unbatched_advice(buf) + f" (JAX's message: {e})"
+
+
+def _unbatched_advice(buf: Buffer) -> str:
+    if MAPPED_AXES.get():
+        return (
+            f"The {describe(buf)} was written inside `eqx_state.vmap`, but the cell "
+            "was not given to `es.vmap`: it was "
+            "reached through a closure. `es.vmap` gives batched shadows only to the "
+            "cells it can see: those inside `fn` when `fn` is a module (pass the "
+            "model itself, `es.vmap(model, ...)`), and those in arguments mapped with "
+            "`in_axes=None`, e.g. `es.vmap(lambda m, x: m.update(x), in_axes=(None, "
+            "0), axis_name=...)(metric, xs)`."
+        )
+    return (
+        f"The {describe(buf)} was written inside `jax.vmap`, but the cell itself is "
+        "not batched: JAX cannot write into a ref that the vmap does not map, even "
+        "a value that is the same for every example. Either map per-example calls with "
+        "`eqx_state.vmap(model, axis_name=...)` (with layers that reduce over that "
+        "axis, e.g. `BatchNorm(..., axis_name=...)`), call the layer on the whole "
+        "batch instead, or vmap over an ensemble of models whose state has the same "
+        "leading axis (`eqx.filter_vmap` of the step)."
+    )
+
+
+def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
+    """`new` in the cell's dtype, if that loses nothing; otherwise an error.
+
+    A strongly-typed value must have the cell's dtype. A weakly-typed one (a Python
+    scalar, or arithmetic between a cell and a Python scalar) is cast if it is of the
+    same kind (a float into a float cell) or a whole number into an integer or float
+    cell that holds it exactly; a float written into an integer cell, or -1 into an
+    unsigned one, is an error rather than a silent truncation."""
+    dtype = buf.value.dtype
+    if new.dtype == dtype:
+        return new
+    weak = bool(getattr(new, "weak_type", False))
+    if weak and _same_kind_or_wider(new.dtype, dtype):
+        if not isinstance(new, Tracer) and jnp.issubdtype(dtype, jnp.integer):
+            exact = np.asarray(new).astype(dtype).astype(new.dtype)
+            if not np.array_equal(exact, np.asarray(new)):
+                raise StateWriteError(
+                    f"Cannot write {np.asarray(new).tolist()} into the "
+                    f"{describe(buf)} of dtype {dtype}: it does not fit that dtype."
+                )
+        return new.astype(dtype)
+    raise StateWriteError(
+        f"Cannot write a value of dtype {new.dtype}{' (weakly typed)' if weak else ''} "
+        f"into the {describe(buf)} of dtype {dtype}: state cells keep their dtype, "
+        "and this cast would lose information or change the kind of number. Cast "
+        "explicitly if that is what you mean, e.g. `buf[...] = value.astype(buf.dtype)`"
+        + (
+            " (arithmetic with a Python float makes a float, e.g. `count + 0.5`)."
+            if weak
+            else "."
+        )
+    )
+
+
+_KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _same_kind_or_wider(src: Any, dst: Any) -> bool:
+    """Whether a weakly-typed value of dtype `src` may be written into a `dst` cell:
+    bool < integers < floats < complex, never downwards."""
+    s, d = np.dtype(src).kind, np.dtype(dst).kind
+    if s == "V" or d == "V":  # bfloat16 and other extension types report "V"
+        s = "f" if jnp.issubdtype(src, jnp.floating) else s
+        d = "f" if jnp.issubdtype(dst, jnp.floating) else d
+    if s not in _KIND_ORDER or d not in _KIND_ORDER:
         return False
+    return _KIND_ORDER[s] <= _KIND_ORDER[d]
 
 
 def is_state(x: Any) -> bool:
@@ -232,6 +338,46 @@ def is_state(x: Any) -> bool:
     Whether `x` is a state cell.
     """
     return isinstance(x, Buffer)
+
+
+def is_array(x: Any) -> bool:
+    """`eqx.is_array`, with state refs counted as arrays: the filter to partition a
+    model whose cells may hold refs (inside [`eqx_state.make_step`][] /
+    [`eqx_state.apply`][], or in ref mode).
+
+    Equinox treats a `jax.Ref` as a static (non-array) leaf, so
+    `eqx.partition(model, eqx.is_array)` puts state refs in the static half, where
+    `lax.scan` over stacked layers or `eqx.filter_vmap` does not slice them. Use
+    `eqx.partition(model, es.is_array)` in those idioms: the refs then travel with
+    the arrays and every layer writes its own slice.
+
+    **Arguments:**
+
+    - `x`: any object.
+
+    **Returns:**
+
+    Whether `x` is a JAX or NumPy array, or a `jax.Ref` (or a view of one).
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    import eqx_state as es
+
+    layers = eqx.filter_vmap(lambda k: es.nn.BatchNorm(3))(jnp.arange(4))
+
+    def forward(stack, x):
+        dynamic, static = eqx.partition(stack, es.is_array)
+        def body(x, layer_arrays):
+            return eqx.combine(layer_arrays, static)(x), None
+        return jax.lax.scan(body, x, dynamic)[0]
+
+    y, layers = es.apply(forward, layers, jnp.ones((8, 3)))
+    assert layers.num_batches_tracked[...].tolist() == [1, 1, 1, 1]
+    ```
+    """
+    return eqx.is_array(x) or _is_ref(x)
 
 
 def _is_param(x: Any) -> bool:
@@ -263,107 +409,3 @@ def params(model: Any) -> Any:
     ```
     """
     return eqx.filter(model, _is_param, is_leaf=is_state)
-
-
-def _map_cells(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """Apply `fn` to the value of every cell, once per distinct value (tied cells
-    stay tied)."""
-    memo: dict[Any, Any] = {}
-
-    def one(x: Any) -> Any:
-        if not isinstance(x, Buffer):
-            return x
-        v = x.value
-        key: Any = id(v) if x.tie is None else ("tie", x.tie)
-        if key not in memo:
-            memo[key] = (v, fn(v))  # keep `v` alive so its id is not reused
-        return eqx.tree_at(lambda b: b.value, x, memo[key][1])
-
-    return jax.tree_util.tree_map(one, tree, is_leaf=is_state)
-
-
-def _new_ref(v: Any) -> Any:
-    if _is_ref(v):
-        return v
-    if (
-        isinstance(v, jax.Array)
-        and not isinstance(v, jax_core.Tracer)
-        and v.is_deleted()
-    ):
-        raise StaleModelError(_stale_message("model's state cell"))
-    return jax.new_ref(v, kind=_REF_KIND)
-
-
-def to_refs(model: Any) -> Any:
-    """Ref mode: every state cell of `model` holds a persistent `jax.Ref`, updated in
-    place by every call, eager or jitted. Cells that are already refs are kept; cells
-    that share one array (tied) share one ref.
-
-    **Arguments:**
-
-    - `model`: a model in value mode (or partly in ref mode).
-
-    **Returns:**
-
-    The same model with refs in its cells. Parameters are unchanged.
-
-    **Example:**
-
-    ```python
-    import jax.numpy as jnp
-    import eqx_state as es
-
-    counter = es.to_refs(es.nn.Counter())
-    counter.increment()
-    counter.increment()
-    assert int(counter.value) == 2
-    ```
-    """
-    return _map_cells(_new_ref, model)
-
-
-def _freeze_one(v: Any) -> Any:
-    if not _is_ref(v):
-        return v
-    if jax_core.trace_state_clean():
-        return jax.freeze(v)  # eagerly: a copy, the ref stays valid
-    return v[...]  # in a trace the ref may come from outside it: read a snapshot
-
-
-def freeze(model: Any) -> Any:
-    """Value mode: every state cell of `model` holds an immutable array with the
-    current value of its ref. Outside a trace this is a snapshot: the ref-mode model
-    stays usable and later writes to it do not change the returned model.
-
-    **Arguments:**
-
-    - `model`: a model in ref mode (value-mode cells pass through).
-
-    **Returns:**
-
-    The model in value mode.
-    """
-    return _map_cells(_freeze_one, model)
-
-
-def _thaw(model: Any) -> tuple[Any, set[int]]:
-    """Inside a trace: turn every array cell into a fresh ref; return the ids of the
-    refs made here (refs passed in from outside are left alone)."""
-    made: set[int] = set()
-
-    def make(v: Any) -> Any:
-        if _is_ref(v):
-            return v
-        if isinstance(v, jax.Array) and not isinstance(v, jax_core.Tracer):
-            if v.is_deleted():
-                raise StaleModelError(_stale_message("model's state cell"))
-        r = jax.new_ref(v, kind=_REF_KIND)
-        made.add(id(r))
-        return r
-
-    return _map_cells(make, model), made
-
-
-def _refreeze(model: Any, made: set[int]) -> Any:
-    """Freeze exactly the refs that `_thaw` made."""
-    return _map_cells(lambda v: jax.freeze(v) if id(v) in made else v, model)

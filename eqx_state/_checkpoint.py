@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import _REF_KIND, _is_ref
+from ._compat import with_weak_type
 from ._errors import StateError
 
 
@@ -32,10 +33,17 @@ def _is_saved(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _is_ref(x)
 
 
+def _is_witness(path: tuple) -> bool:
+    # a ref-mode cell's shape witness (`Buffer.witness`): derived, not saved
+    return bool(path) and getattr(path[-1], "name", None) == "witness"
+
+
 def _entries(tree: Any) -> list[tuple[str, Any]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [
-        (jax.tree_util.keystr(path), leaf) for path, leaf in leaves if _is_saved(leaf)
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in leaves
+        if _is_saved(leaf) and not _is_witness(path)
     ]
 
 
@@ -179,7 +187,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     header, data = _read(path)
     saved = {e["path"]: e for e in header["entries"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    wanted = [(jax.tree_util.keystr(p), leaf) for p, leaf in flat if _is_saved(leaf)]
+    wanted = [
+        (jax.tree_util.keystr(p), leaf)
+        for p, leaf in flat
+        if _is_saved(leaf) and not _is_witness(p)
+    ]
     names = [n for n, _ in wanted]
     for name, leaf in wanted:
         if name not in saved:
@@ -212,14 +224,10 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             f"The checkpoint {path!r} holds an array at {extra[0]} that `like` does not "
             "have: it was saved from a different model or optimizer."
         )
-    memo: dict[int, Any] = {}
     out = []
     for p, leaf in flat:
-        if not _is_saved(leaf):
+        if not _is_saved(leaf) or _is_witness(p):
             out.append(leaf)
-            continue
-        if id(leaf) in memo:  # tied: one value (one ref) for every place
-            out.append(memo[id(leaf)])
             continue
         e = saved[jax.tree_util.keystr(p)]
         raw = data[e["offset"] : e["offset"] + e["nbytes"]]
@@ -235,12 +243,9 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             value = np.asarray(value)
         if _is_ref(leaf):
             value = jax.new_ref(value, kind=_REF_KIND)
-        memo[id(leaf)] = value
         out.append(value)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _weak(x: jax.Array) -> Any:
-    from jax._src.lax.lax import _convert_element_type
-
-    return _convert_element_type(x, x.dtype, weak_type=True)
+    return with_weak_type(x, x.dtype, True)

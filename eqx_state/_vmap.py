@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -11,14 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._buffer import _REF_KIND, Buffer, _is_ref, is_state
-
-
-# The axes of the `es.vmap` calls being traced, innermost last: layers that draw
-# randomness check it (every example of a per-example call would draw the same key).
-_MAPPED_AXES: contextvars.ContextVar[tuple[Hashable | None, ...]] = (
-    contextvars.ContextVar("eqx_state_mapped_axes", default=())
-)
+from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
@@ -28,7 +20,7 @@ def mapped_axes() -> tuple[Hashable | None, ...]:
 
 def _shadow(cells: list[Any], size: int) -> list[Any]:
     return [
-        jax.new_ref(jnp.broadcast_to(r[...], (size, *r.shape)), kind=_REF_KIND)
+        jax.new_ref(jnp.broadcast_to(r[...], (size, *r.shape)), kind=REF_KIND)
         for r in cells
     ]
 
@@ -101,6 +93,9 @@ def vmap(
         slots: list[int | None] = []
         for leaf in flat:
             if isinstance(leaf, Buffer) and _is_ref(leaf.value):
+                # one shadow per ref: a ref at two places (shared with
+                # `eqx.nn.Shared`) is one state; refs are mutable objects, so their
+                # identity is what says so
                 k = seen.setdefault(id(leaf.value), len(cells))
                 if k == len(cells):
                     cells.append(leaf.value)
@@ -135,7 +130,7 @@ def vmap(
             _MAPPED_AXES.reset(token)
         for cell, shadow in zip(cells, shadows):
             rows = jax.freeze(shadow)
-            differs = jnp.any(rows != rows[:1]) if size > 1 else jnp.array(False)
+            differs = _rows_differ(rows) if size > 1 else jnp.array(False)
             value = eqx.error_if(
                 rows[0],
                 differs,
@@ -148,3 +143,12 @@ def vmap(
         return out
 
     return mapped
+
+
+def _rows_differ(rows: jax.Array) -> jax.Array:
+    """Whether the examples wrote different values; NaN equals NaN here (a NaN
+    batch statistic propagates, as on the whole-batch path, instead of failing)."""
+    same = rows == rows[:1]
+    if jnp.issubdtype(rows.dtype, jnp.inexact):
+        same = same | (jnp.isnan(rows) & jnp.isnan(rows[:1]))
+    return jnp.any(~same)

@@ -73,27 +73,48 @@ def test_donates_state_but_not_parameters():
     np.testing.assert_array_equal(m1.bn.running_mean[...], m2.bn.running_mean[...])
 
 
+def _copy(x):
+    return jnp.copy(x) if eqx.is_array(x) else x
+
+
+def _b(pair):
+    return pair.b
+
+
+def _a(pair):
+    return pair.a
+
+
+class Pair(eqx.Module):
+    a: es.Buffer
+    b: es.Buffer
+
+    def __call__(self):
+        self.a[...] = self.a[...] + 1.0
+        self.b[...] = self.b[...] + 10.0
+        return self.a[...]
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_tied_cells_stay_tied(mode):
-    cell = es.Buffer(jnp.zeros(()))
-
-    class Tied(eqx.Module):
-        a: es.Buffer
-        b: es.Buffer
-
-        def __call__(self):
-            self.a[...] = self.a[...] + 1.0
-            self.b[...] = self.b[...] + 10.0
-            return self.a[...]
-
-    model = Tied(cell, cell)
+def test_declared_shared_cell_is_one_state(mode):
+    """`eqx.nn.Shared` ties `b` to `a`: one state, under every way of running."""
+    model = eqx.nn.Shared(
+        Pair(es.Buffer(jnp.zeros(())), es.Buffer(jnp.zeros(()))), _b, _a
+    )
     if mode == "ref":
         model = es.to_refs(model)
-    run = es.make_apply(lambda m: m())
-    for _ in range(2):
-        out, model = run(model)
-    assert float(out) == 22.0  # one cell: +1 then +10, twice; read after both
-    assert float(model.a[...]) == float(model.b[...]) == 22.0
+    runs = [
+        es.make_apply(lambda m: m()()),
+        eqx.filter_jit(lambda m: es.apply(lambda m: m()(), m)),
+    ]
+    for run in runs:
+        m = model if mode == "ref" else jax.tree.map(_copy, model)
+        start = float(m.pytree.a[...])
+        for _ in range(2):
+            out, m = run(m)
+        # one cell: +1 then +10, twice; read after both
+        assert float(out) == start + 22.0
+        assert float(m().a[...]) == float(m().b[...]) == start + 22.0
 
 
 def test_inference_mode_model_writes_nothing_and_needs_no_state():

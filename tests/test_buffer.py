@@ -10,7 +10,7 @@ import pytest
 import eqx_state as es
 
 
-class Tied(eqx.Module):
+class Twice(eqx.Module):
     a: es.Buffer
     b: es.Buffer
     lin: eqx.nn.Linear
@@ -18,16 +18,16 @@ class Tied(eqx.Module):
     def __init__(self):
         cell = es.Buffer(jnp.zeros(2))
         self.a = cell
-        self.b = cell  # the same cell reachable from two places
+        self.b = cell  # one cell object at two places: two states (arrays are values)
         self.lin = eqx.nn.Linear(2, 2, key=jax.random.key(0))
 
     def __call__(self, x):
         self.a[...] = self.a[...] + 1.0
-        return jax.vmap(self.lin)(x) + self.b[...]  # reads see the write through `a`
+        return jax.vmap(self.lin)(x) + self.b[...]  # `b` is its own state: still 0
 
 
 def test_params_excludes_state():
-    model = Tied()
+    model = Twice()
     p = es.params(model)
     assert p.a is None and p.b is None
     assert p.lin.weight is model.lin.weight
@@ -37,22 +37,23 @@ def test_params_excludes_state():
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
-def test_tied_cells_are_one_state(mode):
-    model = Tied()
+def test_one_cell_at_two_places_is_two_states(mode):
+    model = Twice()
     if mode == "ref":
         model = es.to_refs(model)
-        assert model.a.value is model.b.value
+        assert model.a.value is not model.b.value  # one ref per place
     x = jnp.ones((3, 2))
     out, model = es.apply(lambda m, x: m(x), model, x)
     out, model = es.apply(lambda m, x: m(x), model, x)
     np.testing.assert_array_equal(model.a[...], [2.0, 2.0])
-    np.testing.assert_array_equal(model.b[...], [2.0, 2.0])
-    np.testing.assert_allclose(out, jax.vmap(model.lin)(x) + 2.0)
+    np.testing.assert_array_equal(model.b[...], [0.0, 0.0])
+    np.testing.assert_allclose(out, jax.vmap(model.lin)(x))
     step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1))
     opt_state = step.init(model)
     model, opt_state = step(model, opt_state, x)
     model, opt_state = step(model, opt_state, x)
-    np.testing.assert_array_equal(model.b[...], [4.0, 4.0])
+    np.testing.assert_array_equal(model.a[...], [4.0, 4.0])
+    np.testing.assert_array_equal(model.b[...], [0.0, 0.0])
     assert step.trace_count == 1
 
 
@@ -105,11 +106,11 @@ def test_value_mode_write_outside_a_step_names_the_fixes():
 def test_wrong_shape_or_dtype_write():
     cell = es.to_refs(es.Buffer(jnp.zeros(3)))
     with pytest.raises(
-        es.StateWriteError, match=r"shape \(4,\) into a Buffer cell of shape \(3,\)"
+        es.StateWriteError, match=r"shape \(4,\) into the Buffer cell \(shape \(3,\)\)"
     ):
         cell[...] = jnp.zeros(4)
     with pytest.raises(
-        es.StateWriteError, match="dtype int32 into a Buffer cell of dtype float32"
+        es.StateWriteError, match="dtype int32 into the Buffer cell .* of dtype float32"
     ):
         cell[...] = jnp.zeros(3, jnp.int32)
     cell[...] = jnp.ones(3)
@@ -156,17 +157,37 @@ def test_loss_must_be_scalar_and_aux_a_pair():
         step(model, step.init(model), x)
 
 
-def test_parameter_shared_by_identity_is_an_error():
-    w = jnp.ones(2)
+def test_one_parameter_array_at_two_places_is_two_parameters():
+    """As in Equinox: the same array at two places is two copies that train
+    independently. The reference is the plain `eqx.filter_jit` + optax loop."""
+    w = jnp.array([1.0, 2.0])
 
     class Two(eqx.Module):
         a: jax.Array
         b: jax.Array
 
-    step = es.make_step(lambda m: jnp.sum(m.a * m.b), optax.sgd(0.1))
-    model = Two(w, w)
-    with pytest.raises(es.StepError, match="eqx.nn.Shared"):
-        step(model, step.init(model))
+    def loss(m):
+        return jnp.sum(m.a * m.a) + 3.0 * jnp.sum(m.b)
+
+    opt = optax.sgd(0.1)
+    ref_model = Two(jnp.copy(w), jnp.copy(w))
+    ref_state = opt.init(ref_model)
+    step = es.make_step(loss, opt)
+    model = Two(w, w)  # donated by the step: `w` is consumed
+    opt_state = step.init(model)
+
+    @eqx.filter_jit
+    def ref_step(m, s):
+        g = eqx.filter_grad(loss)(m)
+        u, s = opt.update(g, s, m)
+        return eqx.apply_updates(m, u), s
+
+    for _ in range(3):
+        model, opt_state = step(model, opt_state)
+        ref_model, ref_state = ref_step(ref_model, ref_state)
+    np.testing.assert_allclose(model.a, ref_model.a, rtol=1e-6)
+    np.testing.assert_allclose(model.b, ref_model.b, rtol=1e-6)
+    assert not np.allclose(model.a, model.b)
 
 
 def test_apply_in_ref_mode_returns_the_same_refs():
@@ -183,26 +204,3 @@ def test_apply_is_pure_in_value_mode_and_jits():
     n1b, _ = run(counter)  # the old model is a valid snapshot
     assert (int(n1), int(n2), int(n1b)) == (1, 2, 1)
     assert int(counter.value) == 0
-
-
-def test_tagged_cells_stay_tied_under_filter_jit():
-    """Under eqx.filter_jit every leaf becomes its own tracer, so identity cannot tie
-    two cells inside es.apply; a tie tag can. Untagged, the tie is lost (documented)."""
-
-    class Two(eqx.Module):
-        a: es.Buffer
-        b: es.Buffer
-
-        def __call__(self):
-            self.a[...] = self.a[...] + 1.0
-            self.b[...] = self.b[...] + 10.0
-
-    run = eqx.filter_jit(lambda m: es.apply(lambda m: m(), m)[1])
-    tagged = es.Buffer(jnp.zeros(()), tie="shared")
-    model = Two(tagged, tagged)
-    for _ in range(2):
-        model = run(model)
-    assert float(model.a[...]) == float(model.b[...]) == 22.0
-    plain = es.Buffer(jnp.zeros(()))
-    model = run(Two(plain, plain))
-    assert (float(model.a[...]), float(model.b[...])) == (1.0, 10.0)  # untied

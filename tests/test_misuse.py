@@ -152,7 +152,7 @@ _INPUT_ERRORS = [
     ("ConfusionMatrix classes", "ValueError", r"num_classes=4"),
     ("Mean mask shape", "ValueError", r"`mask` has shape \(5,\)"),
     ("MeanStd weight shape", "ValueError", r"`sample_weight` has shape"),
-    ("Buffer write dtype", "StateWriteError", r"Cast first"),
+    ("Buffer write dtype", "StateWriteError", r"Cast explicitly"),
     ("Buffer write shape", "StateWriteError", r"Reshape the value"),
 ]
 
@@ -449,13 +449,21 @@ def test_same_ref_model_twice_as_jit_arguments_is_refused():
 
 
 def test_same_model_twice_in_make_step_names_shared():
-    # (m, m): the state is tied (one state), but so are the parameters; make_step
-    # refuses to guess and names `eqx.nn.Shared`.
+    # (m, m) in ref mode: one ref at two places, which eager calls treat as one state
+    # and a value-mode copy as two; every entry point refuses it, naming
+    # `eqx.nn.Shared` (a value-mode (m, m) is two models: arrays are values).
     m = es.to_refs(es.nn.BatchNorm(3))
     step = es.make_step(
         lambda mm, x: jnp.mean(mm[0](x)) + jnp.mean(mm[1](x)), optax.sgd(0.1)
     )
-    with pytest.raises(es.StepError, match=r"eqx\.nn\.Shared"):
+    for call in (
+        lambda: es.freeze((m, m)),
+        lambda: es.apply(lambda mm: mm[0](jnp.ones((4, 3))), (m, m)),
+        lambda: es.make_apply(lambda mm: mm[0](jnp.ones((4, 3))))((m, m)),
+    ):
+        with pytest.raises(es.StateError, match=r"eqx\.nn\.Shared"):
+            call()
+    with pytest.raises(es.StateError, match=r"eqx\.nn\.Shared"):
         step((m, m), step.init((m, m)), jnp.ones((4, 3)))
     assert int(m.num_batches_tracked[...]) == 0
 

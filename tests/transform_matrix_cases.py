@@ -115,17 +115,27 @@ def _dropout_make(key, axis_name=None):
     return es.nn.Dropout(0.5, key=key)
 
 
+def _second_rng(pair):
+    return pair[1].rng
+
+
+def _first_rng(pair):
+    return pair[0].rng
+
+
 class _SharedStream(eqx.Module):
-    first: es.nn.Dropout
-    second: es.nn.Dropout
+    """Two Dropouts drawing from one stream, declared with `eqx.nn.Shared`."""
+
+    shared: eqx.nn.Shared
 
     def __init__(self, key):
-        rng = es.nn.Rng(key)  # one stream, reachable from both layers (tied)
-        self.first = es.nn.Dropout(0.5, rng=rng)
-        self.second = es.nn.Dropout(0.5, rng=rng)
+        k1, k2 = jax.random.split(key)
+        pair = (es.nn.Dropout(0.5, key=k1), es.nn.Dropout(0.5, key=k2))
+        self.shared = eqx.nn.Shared(pair, _second_rng, _first_rng)
 
     def __call__(self, x):
-        return self.second(self.first(x))
+        first, second = self.shared()
+        return second(first(x))
 
 
 def _kv_make(key, axis_name=None):
@@ -163,7 +173,8 @@ CASES: tuple[Case, ...] = (
         lambda key, axis_name=None: _SharedStream(key),
         lambda m, x: m(x),
         (4, 3),
-        note="two Dropout layers sharing one `Rng` (a tied cell)",
+        note="two Dropout layers sharing one `Rng` stream, declared with "
+        "`eqx.nn.Shared`",
     ),
     Case("KVCache", _kv_make, _kv_call, (4, 2, 2), per_example=False),
     Case(
@@ -662,6 +673,40 @@ def t_scan_layers(case: Case, mode: str) -> Result:
     return Result([y], stacked, outs, st)
 
 
+def _scan_partitioned(case: Case, mode: str, filter_spec: Callable) -> Result:
+    stacked = prepare(ensemble(case.name, L), mode)
+    outs, st, xs = _ensemble_reference(case, L, chain=True)
+
+    def fn(m, x):
+        dynamic, static = eqx.partition(m, filter_spec)
+
+        def body(h, layer):
+            return case.call(eqx.combine(layer, static), h), None
+
+        return jax.lax.scan(body, x, dynamic)[0]
+
+    if mode == "value":
+        y, stacked = es.apply(fn, stacked, xs[0])
+    else:
+        y = fn(stacked, xs[0])  # eagerly: `lax.scan` slices the concrete refs
+    return Result([y], stacked, outs, st)
+
+
+def t_scan_layers_eqx(case: Case, mode: str) -> Result:
+    """Scan over layers with Equinox's idiom verbatim: `dynamic, static =
+    eqx.partition(stack, eqx.is_array)`, `lax.scan` over `dynamic`,
+    `eqx.combine(layer, static)` in the body (inside `es.apply` in value mode,
+    eagerly in ref mode). Refs are not arrays to Equinox: they stay whole in the
+    static half."""
+    return _scan_partitioned(case, mode, eqx.is_array)
+
+
+def t_scan_layers_es(case: Case, mode: str) -> Result:
+    """The same idiom with `eqx.partition(stack, es.is_array)`: refs count as
+    arrays, so `lax.scan` gives each layer its own slice of every state ref."""
+    return _scan_partitioned(case, mode, es.is_array)
+
+
 def _jit_in_mode(fn: Callable, mode: str) -> Callable:
     """`eqx.filter_jit` of `es.apply(fn, ...)` (value mode) or of `fn` (ref mode):
     `(model, *args) -> (out, model)`."""
@@ -741,6 +786,8 @@ TRANSFORMS: dict[str, Callable[[Case, str], Result]] = {
     "es.vmap (per example)": t_es_vmap,
     "scan (time)": t_scan_time,
     "scan (layers)": t_scan_layers,
+    "scan (layers, eqx.is_array)": t_scan_layers_eqx,
+    "scan (layers, es.is_array)": t_scan_layers_es,
     "cond": t_cond,
     "switch": t_switch,
     "while_loop": t_while_loop,
@@ -792,12 +839,14 @@ _DIFFERENT_ROWS = Raises(
     "every sequence writes its own keys into the one cache; the error says to "
     "keep per-example state in a batched cell (an ensemble of caches)",
 )
-_FILTER_VMAP_REF = Known(
-    "misleading error: Equinox treats refs as static, so the default "
-    "`eqx.filter_vmap` passes the stacked refs unmapped to every member, and the "
-    'write raises `StateWriteError` ("the cell itself is not batched") whose '
-    "suggested fix, `eqx.filter_vmap` of the step, is what was done; the fix that "
-    "works is value mode, or `in_axes` that also maps refs ([[vmap (ensemble)]])"
+_UNSLICED_REF = Raises(
+    es.StateError,
+    r"eqx\.partition\(model, es\.is_array\)",
+    "Equinox treats refs as static (`eqx.is_array` is False for a `jax.Ref`), so "
+    "the transformation slices the model's arrays but hands every layer the whole "
+    "stacked ref; the cell's shape witness (an array, sliced with the others) "
+    "catches the mismatch at the first read or write and the error names "
+    "`eqx.partition(model, es.is_array)` ([[scan (layers, es.is_array)]])",
 )
 _ES_VMAP_RNG = Raises(
     es.StateWriteError,
@@ -806,34 +855,14 @@ _ES_VMAP_RNG = Raises(
     "the error says to map with `es.vmap(..., axis_name=name)` and build the "
     "layer with `axis_name=name`, or to call it on the whole batch",
 )
-_FILTER_VMAP_REF_UNCLEAR = Known(
-    "unclear error: for the same reason, the layer sees the whole stacked "
-    "state and fails with a shape error from its own code (`ValueError` / "
-    "`TypeError`) that does not name the fix"
-)
-
-
-_TIED_REF_TWICE = Known(
-    "loud but unclear: the shared stream is one ref (its tie tag holds), and JAX "
-    "refuses a ref that appears twice among the arguments of `jax.vmap` / "
-    '`lax.scan` ("only one reference to a mutable array may be passed"); '
-    "ensembles and layer stacks with shared streams work in value mode"
-)
-_STACKED = ("vmap (ensemble)", "filter_vmap (ensemble)", "scan (layers)")
 
 
 def expectation(case_name: str, column: str, mode: str) -> Raises | Known | None:
     """The declared outcome of one cell: `OK` (state equals the reference), a
     documented error (`Raises`), or a known defect (`Known`)."""
     case = CASE_BY_NAME[case_name]
-    tied = case_name == "Dropout x2, one Rng"
-    if (
-        tied
-        and mode == "ref"
-        and column in _STACKED
-        and not column.startswith("filter")
-    ):
-        return _TIED_REF_TWICE
+    if column == "scan (layers, eqx.is_array)":
+        return _UNSLICED_REF
     if column == "vmap (per example)":
         # JAX refuses any write into an unbatched ref inside `jax.vmap`, even of a
         # value that does not depend on the example (a counter increment).
@@ -845,11 +874,7 @@ def expectation(case_name: str, column: str, mode: str) -> Raises | Known | None
             return _ES_VMAP_RNG
         return OK
     if column == "filter_vmap (ensemble)" and mode == "ref":
-        if case_name in ("EMA", "SpectralNorm", "KVCache", "CausalSelfAttention") or (
-            "Dropout" in case_name
-        ):
-            return _FILTER_VMAP_REF_UNCLEAR
-        return _FILTER_VMAP_REF
+        return _UNSLICED_REF
     return OK
 
 
@@ -946,21 +971,24 @@ def _link_columns(text: str) -> str:
 
 
 _PATTERNS = (
-    "**Ensembles in ref mode.** Equinox does not count refs as arrays, so "
-    "`eqx.filter_vmap` with its default `in_axes` does not map them "
-    "([[filter_vmap (ensemble)]]). Map them explicitly: `jax.vmap` over the "
-    "partitioned model ([[vmap (ensemble)]]), or `eqx.filter_vmap(f, "
-    "in_axes=(lambda x: 0 if eqx.is_array(x) or isinstance(x, jax.Ref) else None, "
-    "0))`. In value mode, `eqx.filter_vmap` of `es.apply` (or of a step) works.",
+    "**Equinox's filters and refs.** `eqx.is_array` is False for a `jax.Ref`, so "
+    "Equinox's idioms that partition a model put state refs in the static half: "
+    "scan-over-layers with `eqx.partition(stack, eqx.is_array)` "
+    "([[scan (layers, eqx.is_array)]]) and `eqx.filter_vmap` with its default "
+    "`in_axes` over a ref-mode ensemble ([[filter_vmap (ensemble)]]). Every such "
+    "use raises, naming the fix: partition with `es.is_array` (arrays and refs), "
+    "which makes the idiom exact ([[scan (layers, es.is_array)]]); for "
+    "`eqx.filter_vmap`, `in_axes=(lambda x: 0 if es.is_array(x) else None, 0)`, "
+    "or `jax.vmap` over the partitioned model ([[vmap (ensemble)]]). In value mode "
+    "outside a step, cells hold arrays and every Equinox idiom works as usual.",
     "**Per-example calls** (Equinox's BatchNorm style): `es.vmap(..., "
     "axis_name=...)` with layers that reduce over the axis "
     "([[es.vmap (per example)]]). A plain `jax.vmap` cannot write any state "
     "([[vmap (per example)]]).",
-    "**Scan over layers in ref mode** ([[scan (layers)]]): pass the stacked refs "
-    "as arguments of the enclosing `jax.jit` and give each layer ref views "
-    "`ref.at[i]` (cells accept them). Views exist on traced refs only: an eager "
-    "`lax.scan` that closes over the concrete refs gets a bare "
-    "`NotImplementedError` from JAX.",
+    "**Scan over layers**: `eqx.partition(stack, es.is_array)` and `lax.scan` over "
+    "the dynamic half, in either mode, eagerly or under `jit` "
+    "([[scan (layers, es.is_array)]]). Indexing ref views `ref.at[i]` by hand also "
+    "works ([[scan (layers)]]).",
     "**Caches are per sequence.** A batch of sequences decodes with a batch of "
     "caches (an ensemble: [[vmap (ensemble)]], [[sharded jit (4 devices)]]), not "
     "with one cache under `vmap` ([[vmap (per example)]], "
@@ -968,13 +996,11 @@ _PATTERNS = (
     "**Gradients and remat** ([[grad]] to [[filter_checkpoint+grad]]): writes "
     "carry no gradient, and `jax.checkpoint` under `grad` does not replay them: a "
     "counter counts one call once.",
-    "**Tied state** (one cell reachable from two places, e.g. one `Rng` shared by "
-    "two Dropouts) is one state everywhere in this matrix: an `Rng` stream carries a "
-    "tie tag (`Buffer(..., tie=...)`), so its cells stay one state even where the "
-    "leaves are rebuilt one by one (`jax.jit` / `eqx.filter_jit` around `es.apply`, "
-    "`eqx.filter_vmap(make)` for ensembles). A cell you share yourself without a tag "
-    "is tied by array identity only: give it a tag, or keep to `es.make_step`, "
-    "`es.make_apply` and ref mode, which keep ties by identity.",
+    "**Shared state is declared.** A cell object placed at two positions of a "
+    "model is two states (arrays are values, as in Equinox), under every way of "
+    "running the model. One state used by several layers is declared with "
+    "`eqx.nn.Shared` (the `Dropout x2, one Rng` row): its pytree holds the cell "
+    "once, so every transformation sees one state.",
 )
 
 

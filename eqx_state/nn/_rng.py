@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable
 from typing import Any
 
@@ -16,9 +15,6 @@ from .._vmap import mapped_axes
 
 KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
 """A typed key (`jax.random.key`) or a raw `uint32[2]` key, possibly batched."""
-
-
-_STREAMS = itertools.count()
 
 
 def _as_key(seed_or_key: Any) -> KeyBatch:
@@ -77,12 +73,15 @@ class Rng(eqx.Module):
     [`eqx_state.apply`][]; in ref mode ([`eqx_state.to_refs`][]) anywhere. An `Rng`
     has no `inference` field, so [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)
     does not stop it; layers such as [`eqx_state.nn.Dropout`][] simply do not draw in
-    evaluation. Several layers may share one `Rng` (the same object at several
-    places in a model is one stream). Its cell carries a tie tag, unique to the
-    stream, so the sharing survives traces that rebuild the model leaf by leaf
-    (`eqx.filter_jit` around `es.apply`, `eqx.filter_vmap` ensembles). The tag is
-    static: two separately built models with streams differ in their tags, and a
-    compiled step or apply traces once for each.
+    evaluation.
+
+    An `Rng` is a value like any Equinox layer: the same `Rng` object placed at two
+    positions of a model is two streams that start from the same key (and so draw
+    the same numbers). For one stream feeding several layers, keep it in one place
+    and pass its keys (`dropout(x, key=self.rng())`), or declare the sharing with
+    [`eqx.nn.Shared`](https://docs.kidger.site/equinox/api/nn/shared/). For
+    independent streams from one seed, give each layer its own key
+    (`jax.random.split`).
 
     **Arguments:**
 
@@ -117,8 +116,7 @@ class Rng(eqx.Module):
             data = key
         # A copy: `make_step` donates state cells, which must not consume the
         # caller's key (users often reuse a key they passed in).
-        # one stream, one tag: layers sharing this Rng share one state in any trace
-        self.key = RngState(jnp.copy(data), tie=("Rng", next(_STREAMS)))
+        self.key = RngState(jnp.copy(data))
 
     def _wrap(self, data: Array) -> KeyBatch:
         if self.impl is None:
@@ -210,11 +208,12 @@ class Dropout(eqx.Module):
     **Arguments:**
 
     - `p`: the probability of zeroing an entry, in `[0, 1]`.
-    - `rng`: a shared [`eqx_state.nn.Rng`][] stream (pass the same `Rng` to several
-        layers to draw from one stream).
-    - `key`: a seed or key for a stream of its own (`Dropout(p, key=k)` is
-        `Dropout(p, rng=Rng(k))`). Without `rng` or `key`, a key must be passed
-        at every training call, as with `eqx.nn.Dropout`.
+    - `key`: a seed or key for a stream of its own (an [`eqx_state.nn.Rng`][] in the
+        field `rng`). Without it, a key must be passed at every training call, as
+        with `eqx.nn.Dropout` (e.g. drawn from an `Rng` the parent module keeps:
+        `self.dropout(x, key=self.rng())`). To make several Dropouts draw from one
+        stream, declare the sharing with `eqx.nn.Shared` (see the docs' "Sharing
+        state" section).
     - `axis_name`: the vmapped axis of per-example calls (see above).
     - `inference`: start in evaluation mode.
 
@@ -240,20 +239,25 @@ class Dropout(eqx.Module):
         self,
         p: float = 0.5,
         *,
-        rng: Rng | None = None,
         key: int | PRNGKeyArray | None = None,
+        rng: Any = None,
         axis_name: Hashable | None = None,
         inference: bool = False,
     ):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1], got {p}.")
-        if rng is not None and key is not None:
-            raise ValueError(
-                "Dropout: pass either `rng=` (a shared stream) or `key=` (a stream of "
-                "its own), not both."
+        if rng is not None:
+            raise TypeError(
+                "Dropout(rng=...) was removed: an `Rng` is a value like any Equinox "
+                "layer, so one `Rng` object given to two Dropouts would be two "
+                "streams starting from the same key — the same masks. Give each "
+                "Dropout its own stream (`Dropout(p, key=k)`, with keys from "
+                "`jax.random.split`), pass keys drawn from one stream at the call "
+                "(`dropout(x, key=self.rng())`), or declare one shared stream with "
+                "`eqx.nn.Shared`."
             )
         self.p = float(p)
-        self.rng = Rng(key) if key is not None else rng
+        self.rng = Rng(key) if key is not None else None
         self.axis_name = axis_name
         self.inference = inference
 
@@ -289,8 +293,8 @@ class Dropout(eqx.Module):
                 raise ValueError(
                     "This Dropout has no random stream and no key was passed. Build "
                     "it with `Dropout(p, key=jax.random.key(seed))` (a stream of its "
-                    "own) or `Dropout(p, rng=rng)` (a shared `es.nn.Rng`), or pass "
-                    "`key=` at every training call."
+                    "own), or pass `key=` at every training call (e.g. drawn from an "
+                    "`es.nn.Rng` the parent module keeps: `key=self.rng()`)."
                 )
             key = self.rng.next_key(axis_name=self.axis_name)
         q = 1.0 - self.p

@@ -54,7 +54,8 @@ def test_sharded_equals_single_device(mesh, mode):
     def run(step, on_mesh):
         model = Net(jax.random.key(0))
         if mode == "ref":
-            model = es.to_refs(model)
+            rep = jax.sharding.NamedSharding(mesh, jax.P())
+            model = es.to_refs(model, sharding=rep if on_mesh else None)
         opt_state = step.init(model)
         for i in range(len(xs)):
             x, y = xs[i], ys[i]
@@ -75,6 +76,14 @@ def test_sharded_equals_single_device(mesh, mode):
         # the batch really is split: each device holds a quarter of it
         x = jax.device_put(xs[0], jax.sharding.NamedSharding(mesh, jax.P("data")))
         assert x.addressable_shards[0].data.shape == (4, 5)
+
+
+def test_ref_mode_model_off_the_mesh_names_the_fix(mesh):
+    model = es.to_refs(Net(jax.random.key(0)))  # refs on one device
+    step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh)
+    xs, ys = _data()
+    with pytest.raises(es.StepError, match=r"to_refs\(model, sharding="):
+        step(model, step.init(model), xs[0], ys[0])
 
 
 def test_wrong_axis_name(mesh):

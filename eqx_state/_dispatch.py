@@ -1,0 +1,416 @@
+"""Dispatch: run a pure function of `(carry, args, kwargs)` as one `jax.jit` call.
+
+This layer changes no result; it only decides how the call reaches XLA:
+
+* **what is traced**, by Equinox's rule (as `eqx.filter_jit`): JAX and NumPy arrays
+  are traced, refs are passed as refs, every other leaf is static (part of the
+  compilation key, compared by `==`). Everything is read from what the caller passes,
+  on every call: a list item replaced or an optimizer hyperparameter changed in place
+  takes effect;
+* **what is donated**: the arrays of the carry the function replaces (a policy given
+  by the caller of this module). The same array object at two positions is passed
+  once, and donated only if every position it holds may be donated; each position
+  still gets its own output, so this changes memory, never results;
+* **what comes back**: every carry position gets the function's output for it. A
+  position the function returned unchanged (the very input it was given) and did
+  not donate is handed back as the caller's object, without a copy; refs always are.
+  Outputs keep the dtype and weak type of their input, so the next call with them
+  hits the same compilation.
+
+The cache is keyed by everything a trace depends on (tree structure, leaf types,
+static values, which positions alias); it holds no array and records nothing during
+tracing: what a trace learns about its outputs travels back through jit's outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._buffer import _is_ref, is_state, stale_message
+from ._compat import Tracer, equinox_runtime_error, with_weak_type
+from ._errors import StaleModelError, StepError
+from ._modes import check_no_shared_refs, path_str
+
+
+_DYN, _REF, _STATIC = 0, 1, 2
+
+
+def _kind(x: Any) -> int:
+    if _is_ref(x):
+        return _REF
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return _DYN
+    return _STATIC
+
+
+def _getter(idx: tuple[int, ...]) -> Callable[[list], list]:
+    if not idx:
+        return lambda xs: []
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda xs: [xs[i]]
+    get = itemgetter(*idx)
+    return lambda xs: list(get(xs))
+
+
+@jax.tree_util.register_static
+class _Static:
+    """A pytree node with no leaves: carries Python values out of a jitted call."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _OutSpec:
+    """What one trace learned about its outputs (travels back inside `_Static`)."""
+
+    __slots__ = ("ret_pos", "static_out", "result_static")
+
+    def __init__(self, ret_pos, static_out, result_static):
+        self.ret_pos = ret_pos
+        self.static_out = static_out
+        self.result_static = result_static
+
+
+class _Layout:
+    """How the leaves of `(carry, args, kwargs)` with one structure and one set of
+    leaf kinds split into what the jitted function takes."""
+
+    def __init__(self, treedef: Any, kinds: tuple[int, ...], carry: tuple, donate):
+        self.treedef = treedef
+        self.n_leaves = len(kinds)
+        self.carry_treedef = treedef.children()[0]
+        n_carry = self.n_carry = self.carry_treedef.num_leaves
+        self.dyn_idx = tuple(i for i, k in enumerate(kinds) if k == _DYN)
+        self.ref_idx = tuple(i for i, k in enumerate(kinds) if k == _REF)
+        self.static_idx = tuple(i for i, k in enumerate(kinds) if k == _STATIC)
+        self.get_dyn = _getter(self.dyn_idx)
+        self.get_refs = _getter(self.ref_idx)
+        self.get_static = _getter(self.static_idx)
+        may_donate = donate(carry)  # one bool per carry leaf
+        self.donatable = tuple(i < n_carry and may_donate[i] for i in self.dyn_idx)
+        self.plans: dict[Any, _Plan] = {}
+
+
+class _Plan:
+    """One compiled variant: a layout plus the static values and the aliasing of
+    the arrays, and the `jax.jit` function for them."""
+
+    def __init__(self, owner: Compiled, layout: _Layout, statics, alias, dyn, mesh):
+        self.layout = layout
+        n = len(layout.dyn_idx)
+        self.alias = alias  # for each array: the index of its first occurrence
+        roots = list(range(n)) if alias is None else list(alias)
+        firsts = [k for k in range(n) if roots[k] == k]
+        # An array is donated only if every position holding it may be donated, and
+        # only a jax array (a NumPy array has no device buffer to give).
+        ok = dict.fromkeys(firsts, owner.donate)
+        for k in range(n):
+            ok[roots[k]] = ok[roots[k]] and layout.donatable[k]
+        donated = [k for k in firsts if ok[k] and isinstance(dyn[k], jax.Array)]
+        self.donated_ks = tuple(donated)
+        dset = set(donated)
+        self.kept_ks = tuple(
+            k for k in firsts if k not in dset and layout.dyn_idx[k] < layout.n_carry
+        )
+        self.arg_ks = tuple(
+            k for k in firsts if k not in dset and layout.dyn_idx[k] >= layout.n_carry
+        )
+        # carry positions whose input is donated (they must come back from the call)
+        self.donated_pos = frozenset(
+            layout.dyn_idx[k] for k in range(n) if roots[k] in dset
+        )
+        self.get_donated = _getter(self.donated_ks)
+        self.get_kept = _getter(self.kept_ks)
+        self.get_args = _getter(self.arg_ks)
+        self.statics = statics
+        self.owner = owner
+        jit_kwargs = dict(owner.jit_kwargs)
+        self.placement = None
+        if mesh is not None:
+            shardings = owner.mesh_shardings(dyn, self.arg_ks)
+            jit_kwargs.update(shardings)
+            rep = shardings["out_shardings"]
+            args = dict(zip(self.arg_ks, shardings["in_shardings"][2]))
+            self.placement = [args.get(k, rep) for k in range(n)]
+        impl = self._impl
+        self.fn = jax.jit(
+            _named(impl, owner.name),
+            donate_argnums=(0,) if donated else (),
+            **jit_kwargs,
+        )
+
+    def _impl(self, donated: list, kept: list, argdyn: list, refs: list) -> Any:
+        owner, layout = self.owner, self.layout
+        owner.trace_count += 1
+        n = len(layout.dyn_idx)
+        dyn: list[Any] = [None] * n
+        for ks, xs in ((self.donated_ks, donated), (self.kept_ks, kept)):
+            for k, x in zip(ks, xs):
+                dyn[k] = x
+        for k, x in zip(self.arg_ks, argdyn):
+            dyn[k] = x
+        if self.alias is not None:
+            dyn = [dyn[a] for a in self.alias]
+        leaves: list[Any] = [None] * layout.n_leaves
+        for i, x in zip(layout.dyn_idx, dyn):
+            leaves[i] = x
+        for i, x in zip(layout.ref_idx, refs):
+            leaves[i] = x
+        for i, x in zip(layout.static_idx, self.statics):
+            leaves[i] = x
+        carry, args, kwargs = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+        new_carry, result = owner.fn(carry, args, kwargs)
+        out_leaves, out_treedef = jax.tree_util.tree_flatten(new_carry)
+        if out_treedef != layout.carry_treedef:
+            raise StepError(
+                "The call changed the structure of the model or optimizer state "
+                f"(before: {layout.carry_treedef}, after: {out_treedef}). The "
+                "optimizer must keep the structure of its state, and the function "
+                "must not replace the model's modules or cells."
+            )
+        ret, ret_pos, static_out = [], [], []
+        ref_pos = set(layout.ref_idx)
+        for i, (o, inp) in enumerate(zip(out_leaves, leaves[: layout.n_carry])):
+            if i in ref_pos:
+                if o is not inp:
+                    raise StepError(
+                        "The call replaced a ref-mode state cell's ref; a ref-mode "
+                        "model keeps its refs (they are written in place)."
+                    )
+                continue
+            if o is inp and i not in self.donated_pos:
+                continue  # unchanged: the caller's own leaf is the output
+            if isinstance(o, jax.Array):
+                ret.append(_match_type(o, inp))
+                ret_pos.append(i)
+            else:
+                static_out.append((i, o))
+        result_dyn, result_static = eqx.partition(result, eqx.is_array)
+        spec = _OutSpec(tuple(ret_pos), tuple(static_out), result_static)
+        return (ret, result_dyn), _Static(spec)
+
+
+def _named(fn: Callable, name: str) -> Callable:
+    """`fn` under `name`, which JAX shows in compilation logs and profiles."""
+
+    def named(*args: Any) -> Any:
+        return fn(*args)
+
+    named.__name__ = named.__qualname__ = name
+    return named
+
+
+def _match_type(out: Any, like: Any) -> Any:
+    """`out` with the weak type of `like`, its input, when their dtypes agree."""
+    if not isinstance(like, (jax.Array, np.ndarray, np.generic)):
+        return out
+    o, i = jax.typeof(out), jax.typeof(like)
+    if o.dtype == i.dtype and o.weak_type != i.weak_type:
+        return with_weak_type(out, i.dtype, i.weak_type)
+    return out
+
+
+class Compiled:
+    """A pure function `fn(carry, args, kwargs) -> (new_carry, result)` compiled
+    with `jax.jit` (see the module docstring).
+
+    **Arguments:**
+
+    - `fn`: the pure function. `carry` is a tuple of pytrees whose new values `fn`
+        returns (`(model, opt_state)` for a step, `(model,)` for an apply).
+    - `donate`: whether to donate at all (`False` keeps every input valid).
+    - `donate_policy`: `donate_policy(carry) -> list[bool]`, one bool per leaf of the
+        carry: which positions `fn` replaces and may therefore consume.
+    - `jit_kwargs`: passed to `jax.jit`.
+    - `name`: the name of the compiled function in JAX's logs and profiles.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[tuple, tuple, dict], tuple[tuple, Any]],
+        *,
+        donate: bool,
+        donate_policy: Callable[[tuple], list[bool]],
+        jit_kwargs: dict[str, Any],
+        name: str = "eqx_state_call",
+    ):
+        self.fn = fn
+        self.name = name
+        self.donate = donate
+        self.donate_policy = donate_policy
+        self.jit_kwargs = jit_kwargs
+        self.mesh: Any = None
+        self.trace_count = 0
+        self._layouts: dict[Any, Any] = {}
+        self._by_kinds: dict[Any, _Layout] = {}
+
+    def mesh_shardings(self, dyn: list, arg_ks: tuple[int, ...]) -> dict[str, Any]:
+        raise NotImplementedError  # pragma: no cover - only steps have a mesh
+
+    def _layout(self, leaves: list, treedef: Any, carry: tuple) -> _Layout:
+        types = tuple(map(type, leaves))
+        key = (treedef, types)
+        layout: Any = self._layouts.get(key)
+        if layout is None:
+            if any(issubclass(t, Tracer) for t in types):
+                layout = self._layouts[key] = _AMBIGUOUS
+            else:
+                kinds = tuple(map(_kind, leaves))
+                layout = self._layouts[key] = _Layout(
+                    treedef, kinds, carry, self.donate_policy
+                )
+        if layout is _AMBIGUOUS:
+            # Under an outer transformation leaves are tracers, and a tracer may be
+            # an array or a ref: classify each one.
+            kinds = tuple(map(_kind, leaves))
+            layout = self._by_kinds.get((treedef, kinds))
+            if layout is None:
+                layout = self._by_kinds[(treedef, kinds)] = _Layout(
+                    treedef, kinds, carry, self.donate_policy
+                )
+        return layout
+
+    def lower(self, carry: tuple, args: tuple, kwargs: dict) -> Any:
+        """`jax.jit(...).lower` for the call `call(carry, args, kwargs)` would make:
+        the compiled program, for inspection (`.as_text()`,
+        `.compile().memory_analysis()`). Runs nothing and donates nothing."""
+        return self.call(carry, args, kwargs, lower=True)
+
+    def call(self, carry: tuple, args: tuple, kwargs: dict, lower: bool = False) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((carry, args, kwargs))
+        layout = self._layout(leaves, treedef, carry)
+        dyn = layout.get_dyn(leaves)
+        refs = layout.get_refs(leaves)
+        statics = tuple(layout.get_static(leaves))
+        # Aliasing, for donation only (the same buffer cannot be donated twice):
+        # results never depend on it.
+        ids = list(map(id, dyn))
+        alias = None
+        if len(set(ids)) != len(ids):
+            first: dict[int, int] = {}
+            alias = tuple(first.setdefault(x, k) for k, x in enumerate(ids))
+        if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
+            check_no_shared_refs((carry, args, kwargs))
+        mesh = self.mesh
+        pkey = (statics, alias) if mesh is None else (statics, alias, _ndims(dyn))
+        try:
+            plan = layout.plans.get(pkey)
+        except TypeError as e:  # an unhashable static leaf
+            raise StepError(_unhashable_message(carry, args, kwargs)) from e
+        if plan is None:
+            plan = layout.plans[pkey] = _Plan(self, layout, statics, alias, dyn, mesh)
+        if plan.placement is not None:
+            # on the mesh: arrays placed as the compiled step takes them (a no-op
+            # for the arrays a previous step returned)
+            dyn = jax.device_put(dyn, plan.placement)
+        elif refs:
+            dyn = _committed(dyn)
+        inputs = (plan.get_donated(dyn), plan.get_kept(dyn), plan.get_args(dyn), refs)
+        if lower:
+            return plan.fn.lower(*inputs)
+        try:
+            (ret, result_dyn), spec = plan.fn(*inputs)
+        except Exception as e:
+            _reraise(e, dyn)
+            if mesh is not None and refs:
+                _check_refs_on_mesh(e, refs, mesh)
+            raise
+        spec = spec.value
+        out = leaves[: layout.n_carry]
+        for i, x in zip(spec.ret_pos, ret):
+            out[i] = x
+        for i, v in spec.static_out:
+            out[i] = v
+        new_carry = jax.tree_util.tree_unflatten(layout.carry_treedef, out)
+        return new_carry, eqx.combine(result_dyn, spec.result_static)
+
+
+_AMBIGUOUS = object()
+
+
+def _committed(dyn: list) -> list:
+    """Arrays committed to their device. A call with ref arguments commits its
+    outputs (refs are committed once written), and `jax.jit` compiles separately for
+    committed and uncommitted inputs: committing a fresh model's arrays up front
+    keeps a ref-mode step at one compilation."""
+    return [
+        x
+        if not isinstance(x, jax.Array) or isinstance(x, Tracer) or x.committed
+        else jax.device_put(x, x.sharding)
+        for x in dyn
+    ]
+
+
+def _ndims(dyn: list) -> tuple[int, ...]:
+    return tuple(np.ndim(x) for x in dyn)
+
+
+def _reraise(e: Exception, dyn: list) -> None:
+    eqx_error = equinox_runtime_error(e)
+    if eqx_error is not None:  # a check in the program fired: say which
+        raise eqx_error from None
+    for x in dyn:
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
+            raise StaleModelError(stale_message("model or optimizer state")) from e
+
+
+def _check_refs_on_mesh(e: Exception, refs: list, mesh: Any) -> None:
+    devices = set(mesh.devices.flat)
+    for r in refs:
+        if set(r[...].sharding.device_set) != devices:
+            raise StepError(
+                "A ref-mode state cell lives on other devices than the step's mesh: "
+                "JAX cannot move a ref, and a data-parallel step needs its state "
+                "replicated on the mesh. Make the ref-mode model on the mesh: "
+                "`es.to_refs(model, sharding=NamedSharding(mesh, PartitionSpec()))` "
+                "(from a value-mode model, e.g. `es.freeze(model)`)."
+            ) from e
+
+
+def _unhashable_message(carry: Any, args: Any, kwargs: Any) -> str:
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path((carry, args, kwargs))[0]:
+        if _kind(leaf) == _STATIC:
+            try:
+                hash(leaf)
+            except TypeError:
+                bad.append(f"{path_str(path)} ({type(leaf).__name__})")
+    return (
+        "Leaves that are not arrays are static (part of the compilation key, as in "
+        "`eqx.filter_jit`) and must be hashable; these are not: "
+        + ", ".join(bad[:5])
+        + ". Make them arrays (`jnp.asarray`), or mark the field "
+        "`eqx.field(static=True)` with a hashable value."
+    )
+
+
+def _roles(carry: tuple) -> list[str]:
+    """One role per leaf of `carry`: "cell" (a state cell's value), "witness" (a
+    ref-mode cell's shape witness, never donated: it is never replaced) or "other"."""
+    roles: list[str] = []
+    for node in jax.tree_util.tree_leaves(carry, is_leaf=is_state):
+        if is_state(node):
+            n = len(jax.tree_util.tree_leaves(node))
+            roles.extend(["cell"] + ["witness"] * (n - 1))
+        else:
+            roles.append("other")
+    return roles
+
+
+def all_but_witnesses(carry: tuple) -> list[bool]:
+    """Donation policy of a step: it replaces every leaf but cells' witnesses."""
+    return [r != "witness" for r in _roles(carry)]
+
+
+def cells_only(carry: tuple) -> list[bool]:
+    """Donation policy of an apply: it replaces the state cells' values only."""
+    return [r == "cell" for r in _roles(carry)]

@@ -1,0 +1,217 @@
+"""The two storage modes: `to_refs` / `freeze` between calls, and `thaw` / `refreeze`
+inside a step or apply.
+
+Every cell is its own state: the functions here work position by position and never
+ask whether two positions hold the same array. A ref, unlike an array, is a mutable
+object, so one ref at two positions would make them one state; no function here
+creates that, and the entry points refuse a model that has it (`check_no_shared_refs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._buffer import REF_KIND, Buffer, _is_ref, describe, is_state, stale_message
+from ._compat import Tracer, ref_is_consumed
+from ._errors import StaleModelError, StateError
+
+
+def path_str(path: tuple) -> str:
+    """A key path as a dotted name, PyTorch style: `blocks.0.bn.running_mean`."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:  # pragma: no cover - custom key types
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _rebuild(buf: Buffer, **fields: Any) -> Buffer:
+    """`buf` with some fields replaced, without running `__init__` (as unflattening
+    does), so that any `Buffer` subclass works."""
+    new = object.__new__(type(buf))
+    for f in dataclasses.fields(buf):
+        object.__setattr__(new, f.name, fields.get(f.name, getattr(buf, f.name)))
+    return new
+
+
+def _witness(v: Any) -> jax.Array:
+    """A zero-size bool array of shape `(*v.shape, 0)`, laid out like `v` where it
+    is sharded with a `NamedSharding` (so that a sharded ensemble's witnesses are
+    mapped with it)."""
+    shape = (*v.shape, 0)
+    if isinstance(v, Tracer):
+        sharding = getattr(jax.typeof(v), "sharding", None)
+        if any(s is not None for s in getattr(sharding, "spec", ())):
+            return jax.lax.full(shape, False, jnp.bool_, sharding=sharding)
+        return jnp.zeros(shape, jnp.bool_)
+    w = jnp.zeros(shape, jnp.bool_)
+    sharding = getattr(v, "sharding", None)
+    if (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and len(sharding.device_set) > 1
+    ):
+        w = jax.device_put(w, sharding)
+    return w
+
+
+def _check_live(buf: Buffer) -> None:
+    v = buf.value
+    if isinstance(v, jax.Array) and not isinstance(v, Tracer) and v.is_deleted():
+        raise StaleModelError(stale_message(describe(buf)))
+    if _is_ref(v) and ref_is_consumed(v):
+        raise StaleModelError(stale_message(describe(buf)))
+
+
+def _map_cells_with_path(fn: Any, tree: Any) -> Any:
+    def one(path: tuple, x: Any) -> Any:
+        return fn(path_str(path), x) if is_state(x) else x
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_state)
+
+
+def check_no_shared_refs(tree: Any) -> None:
+    """Refuse a tree in which one ref sits at two positions (see the module
+    docstring). Refs are mutable objects: their identity is what makes two positions
+    one state, so that is what is compared here."""
+    seen: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        if is_state(leaf) and _is_ref(leaf.value):
+            here = path_str(path) or "<root>"
+            first = seen.setdefault(id(leaf.value), here)  # identity of a ref
+            if first != here:
+                raise StateError(
+                    f"The same ref is at two places of the model: `{first}` and "
+                    f"`{here}`. A ref is a mutable object, so eager calls would treat "
+                    "the two places as one state, while a value-mode copy of the "
+                    "model (es.freeze) has two independent ones. State is shared "
+                    "only when the model declares it: wrap the layers in "
+                    "`eqx.nn.Shared` (Equinox's way of tying parts of a pytree), or "
+                    "give each place its own cell (`es.to_refs` on the whole model "
+                    "gives every place its own ref)."
+                )
+
+
+def to_refs(model: Any, *, sharding: Any = None) -> Any:
+    """Ref mode: every state cell of `model` holds a persistent `jax.Ref`, updated in
+    place by every call, eager or jitted. Cells that already hold refs are kept.
+    Every position gets its own ref, even where two positions hold the same array
+    (arrays are values; share state with `eqx.nn.Shared`).
+
+    A ref stays on the devices it was created on (JAX cannot move a ref), so a
+    ref-mode model for a data-parallel step (`make_step(..., mesh=mesh)`) is made on
+    the mesh: `es.to_refs(model, sharding=NamedSharding(mesh, PartitionSpec()))`.
+
+    **Arguments:**
+
+    - `model`: a model in value mode (or partly in ref mode).
+    - `sharding`: where to place the new refs (a `jax.sharding.Sharding`); by
+        default where each cell's array is.
+
+    **Returns:**
+
+    The same model with refs in its cells. Parameters are unchanged; the model
+    passed in stays valid (the refs start from copies of its arrays).
+
+    **Example:**
+
+    ```python
+    import eqx_state as es
+
+    counter = es.to_refs(es.nn.Counter())
+    counter.increment()
+    counter.increment()
+    assert int(counter.value) == 2
+    ```
+    """
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        _check_live(buf)
+        v = buf.value
+        if _is_ref(v):
+            return buf
+        if isinstance(v, jax.Array) and not isinstance(v, Tracer):
+            # committed, as it will be after the first call that writes it (jit
+            # compiles separately for committed and uncommitted inputs)
+            v = jax.device_put(v, v.sharding if sharding is None else sharding)
+        return _rebuild(buf, value=jax.new_ref(v, kind=REF_KIND), witness=_witness(v))
+
+    return _map_cells_with_path(one, model)
+
+
+def freeze(model: Any) -> Any:
+    """Value mode: every state cell of `model` holds an immutable array with the
+    current value of its ref. Outside a trace this is a snapshot: the ref-mode model
+    stays usable and later writes to it do not change the returned model.
+
+    **Arguments:**
+
+    - `model`: a model in ref mode (value-mode cells pass through).
+
+    **Returns:**
+
+    The model in value mode.
+    """
+    check_no_shared_refs(model)
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        _check_live(buf)
+        if not _is_ref(buf.value):
+            return buf
+        return _rebuild(buf, value=buf[...], witness=None)
+
+    return _map_cells_with_path(one, model)
+
+
+def thaw(model: Any) -> tuple[Any, list[Buffer | None], dict[int, str]]:
+    """Inside a step or apply: give every value-mode cell a ref created here (in the
+    trace, or eagerly under a plain `es.apply`). Returns the thawed model; for each
+    cell in flattening order, `None` if its ref was made here, else the cell as it
+    was given (a ref-mode cell, handed back unchanged by `refreeze`); and the path
+    of every cell by its ref (see `named_cells`)."""
+    check_no_shared_refs(model)
+    record: list[Buffer | None] = []
+    paths: dict[int, str] = {}
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        _check_live(buf)
+        v = buf.value
+        if _is_ref(v):
+            record.append(buf)
+            paths[id(v)] = path
+            return buf
+        record.append(None)
+        ref = jax.new_ref(v, kind=REF_KIND)
+        paths[id(ref)] = path  # refs are mutable objects: identity names them
+        return _rebuild(buf, value=ref, witness=_witness(v))
+
+    thawed = _map_cells_with_path(one, model)
+    return thawed, record, paths
+
+
+def refreeze(thawed: Any, record: list[Buffer | None]) -> Any:
+    """Undo `thaw`: freeze exactly the refs it made, giving back value-mode cells,
+    and give back ref-mode cells as they came."""
+    it = iter(record)
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        original = next(it)
+        if original is None:
+            return _rebuild(buf, value=jax.freeze(buf.value), witness=None)
+        return original
+
+    out = _map_cells_with_path(one, thawed)
+    end = object()
+    assert next(it, end) is end, "thaw/refreeze: the model changed its cells"
+    return out

@@ -1,0 +1,163 @@
+"""The pure functions that `make_step` and `make_apply` compile.
+
+Read `train_step` top to bottom: it is the whole training step. Everything about how
+it reaches XLA (what is traced, donated, cached) is in `_dispatch.py` and changes no
+result: `eqx.filter_jit(train_step)` computes the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._buffer import _is_param, _is_ref, is_state, named_cells
+from ._errors import StepError
+from ._modes import refreeze, thaw
+
+
+def train_step(
+    model: Any,
+    opt_state: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    has_aux: bool,
+    trainable: Any = None,
+    microbatches: int | None = None,
+) -> tuple[Any, Any, jax.Array, Any]:
+    """One training step: returns `(model, opt_state, loss, aux)`."""
+    mask = trainable_mask(model, trainable)
+    model, made, paths = thaw(model)  # value-mode cells -> refs created here
+    diff, rest = eqx.partition(model, mask, is_leaf=is_state)
+
+    def loss(diff, *args, **kwargs):
+        out = loss_fn(eqx.combine(diff, rest, is_leaf=is_state), *args, **kwargs)
+        return _loss_and_aux(out, has_aux)
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+    with named_cells(paths):  # errors about a cell name its path
+        if microbatches is None:
+            (value, aux), grads = grad_fn(diff, *args, **kwargs)
+        else:
+            (value, aux), grads = _accumulate(grad_fn, diff, args, kwargs, microbatches)
+    updates, opt_state = optimizer.update(grads, opt_state, diff)
+    diff = optax.apply_updates(diff, updates)
+    model = refreeze(eqx.combine(diff, rest, is_leaf=is_state), made)
+    return model, opt_state, value, aux
+
+
+def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
+    """Run `fn(model, *args, **kwargs)` with writable cells: returns `(out, model)`."""
+    thawed, made, paths = thaw(model)
+    with named_cells(paths):
+        out = fn(thawed, *args, **kwargs)
+    ours = [
+        c.value
+        for c, original in zip(_cells(thawed), made)
+        if original is None  # refs made by `thaw`
+    ]
+    for leaf in jax.tree_util.tree_leaves(out):
+        if _is_ref(leaf) and any(leaf is r for r in ours):
+            raise StepError(
+                "`apply(fn, model, ...)`: `fn` returned a state cell's ref. Return "
+                "values (`buf[...]`), not cells; the new model is returned by `apply`."
+            )
+    return out, refreeze(thawed, made)
+
+
+def _cells(tree: Any) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+class _Unselected:
+    pass
+
+
+def trainable_mask(model: Any, trainable: Any) -> Any:
+    """A tree of bools over `model` with cells as leaves: which leaves are trained.
+
+    A leaf is trained when it is a parameter ([`eqx_state.params`][]) and
+    `trainable` selects it. `trainable` is `None` (every parameter), or an Equinox
+    filter spec: a callable `leaf -> bool`, or a prefix of the model's tree of bools
+    and callables (as for `eqx.filter`)."""
+    nodes, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_state)
+    if trainable is None:
+        flags = None
+    else:
+        marker = _Unselected()
+        selected = eqx.filter(model, trainable, replace=marker)
+        flags = iter(x is not marker for x in jax.tree_util.tree_leaves(selected))
+    mask = []
+    for node in nodes:
+        if is_state(node):
+            if flags is not None:
+                for _ in jax.tree_util.tree_leaves(node):
+                    next(flags)
+            mask.append(False)
+        else:
+            chosen = True if flags is None else next(flags)
+            mask.append(chosen and _is_param(node))
+    return jax.tree_util.tree_unflatten(treedef, mask)
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise StepError(
+                "make_step(..., has_aux=True) expects `loss_fn` to return a pair "
+                f"`(loss, aux)`, got {type(out).__name__}."
+            )
+        value, aux = out
+    else:
+        value, aux = out, None
+    if jnp.shape(value) != ():
+        raise StepError(
+            "`loss_fn` must return a scalar loss"
+            + (" (as the first element of `(loss, aux)`)" if has_aux else "")
+            + f", got shape {jnp.shape(value)}. Reduce it (e.g. `jnp.mean`), or pass "
+            "`has_aux=True` if it returns `(loss, aux)`."
+        )
+    return value, aux
+
+
+def _accumulate(grad_fn, diff, args, kwargs, k: int):
+    """Gradients averaged over `k` slices of the batch, accumulated in the carry of a
+    `lax.scan` (in place); state writes land once per slice."""
+    batch, static = eqx.partition((args, kwargs), eqx.is_array)
+
+    def split(x):
+        if jnp.ndim(x) == 0 or x.shape[0] % k:
+            raise StepError(
+                f"make_step(..., microbatches={k}): every array argument must be a "
+                f"batch whose leading axis divides by {k}; got shape {jnp.shape(x)}. "
+                "Pass non-batch arrays through a closure, or as Python values."
+            )
+        shape = (k, x.shape[0] // k, *x.shape[1:])
+        sharding = jax.typeof(x).sharding
+        spec = getattr(sharding, "spec", ())
+        if any(s is not None for s in spec):
+            # sharded in its type (an explicit mesh): each slice is laid out over
+            # the devices as the batch was
+            spec = (None, *spec, *(None,) * (x.ndim - len(spec)))
+            out = jax.sharding.NamedSharding(sharding.mesh, jax.P(*spec))
+            return jax.lax.reshape(x, shape, out_sharding=out)
+        return x.reshape(shape)
+
+    slices = jax.tree.map(split, batch)
+    zeros = jax.tree.map(jnp.zeros_like, diff)
+
+    def body(acc, piece):
+        args, kwargs = eqx.combine(piece, static)
+        (value, aux), g = grad_fn(diff, *args, **kwargs)
+        return jax.tree.map(jnp.add, acc, g), (value, aux)
+
+    grads, (values, aux) = jax.lax.scan(body, zeros, slices)
+    grads = jax.tree.map(lambda g: g / k, grads)
+    return (jnp.mean(values), aux), grads

@@ -1,0 +1,537 @@
+"""The core's semantics, one regression test per defect found from the outside
+(issue 11): arrays are values, sharing is declared, each call reads what it is
+given, Equinox's idioms are exact or refused.
+
+References are independent of the library's machinery: a plain `eqx.filter_jit`
++ optax loop with the state threaded by hand, float64 NumPy, or the eager calls."""
+
+import copy
+import gc
+import weakref
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+from _compiles import count_compiles
+
+import eqx_state as es
+
+
+MODES = ["value", "ref"]
+
+
+def as_mode(model, mode):
+    return es.to_refs(model) if mode == "ref" else model
+
+
+class MLP(eqx.Module):
+    layers: list
+    steps: es.nn.Counter
+
+    def __init__(self, key, width=8):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.layers = [
+            eqx.nn.Linear(3, width, key=k1),
+            eqx.nn.Linear(width, width, key=k2),
+            eqx.nn.Linear(width, 2, key=k3),
+        ]
+        self.steps = es.nn.Counter()
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.tanh(jax.vmap(layer)(x))
+        return jax.vmap(self.layers[-1])(x)
+
+
+def loss_fn(model, x, y):
+    model.steps.increment()
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def pure_loss(model, x, y):
+    """The same loss with no state write: for the hand-written reference loop."""
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def data(n=6, batch=8, seed=0):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, batch, 3)), jax.random.normal(ky, (n, batch, 2))
+
+
+def reference_loop(model, opt, xs, ys, on_step=None):
+    """The plain Equinox loop: `eqx.filter_jit`, optax on `eqx.filter(model,
+    eqx.is_inexact_array)`, no state (the counter's integer array is not trained)."""
+    params = es.params(model)
+    opt_state = opt.init(params)
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        grads = eqx.filter_grad(pure_loss)(model, x, y)
+        grads = es.params(grads)
+        updates, opt_state = opt.update(grads, opt_state, es.params(model))
+        return eqx.apply_updates(model, updates), opt_state
+
+    for i in range(len(xs)):
+        if on_step is not None:
+            model, opt_state = on_step(i, model, opt_state)
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    return model, opt_state
+
+
+def assert_params_close(a, b, rtol=1e-6, atol=1e-7):
+    la = jax.tree.leaves(es.params(es.freeze(a)))
+    lb = jax.tree.leaves(es.params(es.freeze(b)))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# ------------------------------------------- 1. in-place changes between calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("as_python", [False, True])
+def test_inject_hyperparams_change_takes_effect(mode, donate, as_python):
+    """optax's documented way to change the learning rate between steps."""
+    xs, ys = data()
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+    def on_step(i, model, opt_state):
+        if i == 3:
+            opt_state.hyperparams["learning_rate"] = 0.0 if as_python else jnp.zeros(())
+        return model, opt_state
+
+    step = es.make_step(loss_fn, opt, donate=donate)
+    model = as_mode(MLP(jax.random.key(0)), mode)
+    opt_state = step.init(model)
+    history = []
+    for i in range(len(xs)):
+        model, opt_state = on_step(i, model, opt_state)
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+        history.append(np.asarray(es.freeze(model).layers[0].weight))
+    np.testing.assert_array_equal(history[3], history[2])  # lr 0: no move
+    np.testing.assert_array_equal(history[5], history[2])
+    assert float(opt_state.hyperparams["learning_rate"]) == 0.0
+    ref, _ = reference_loop(MLP(jax.random.key(0)), opt, xs, ys, on_step)
+    assert_params_close(model, ref)
+    assert int(model.steps.value) == len(xs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_replacing_a_list_item_between_steps_takes_effect(mode):
+    xs, ys = data()
+    new_head = eqx.nn.Linear(8, 2, key=jax.random.key(7))
+
+    def on_step(i, model, opt_state):
+        if i == 2:
+            model.layers[-1] = new_head  # in place, on the list inside the module
+            opt_state = opt.init(es.params(model))
+        return model, opt_state
+
+    opt = optax.sgd(0.1)
+    step = es.make_step(loss_fn, opt)
+    model = as_mode(MLP(jax.random.key(0)), mode)
+    opt_state = step.init(model)
+    for i in range(len(xs)):
+        model, opt_state = on_step(i, model, opt_state)
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    new_head = eqx.nn.Linear(8, 2, key=jax.random.key(7))  # the first was donated
+    ref, _ = reference_loop(MLP(jax.random.key(0)), opt, xs, ys, on_step)
+    assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tree_at_replacement_and_dict_mutation_take_effect(mode):
+    """`eqx.tree_at` on a parameter and on a cell, and a dict item changed in
+    place: the next call uses each."""
+
+    class Net(eqx.Module):
+        table: dict
+        bn: es.nn.BatchNorm
+
+        def __call__(self, x):
+            return self.bn(x * self.table["scale"])
+
+    net = as_mode(Net({"scale": jnp.ones(())}, es.nn.BatchNorm(2, momentum=0.5)), mode)
+    run = es.make_apply(lambda m, x: m(x))
+    x = jnp.array([[1.0, 2.0], [3.0, 6.0]])
+    _, net = run(net, x)
+    net.table["scale"] = jnp.full((), 3.0)
+    if mode == "value":
+        net = eqx.tree_at(lambda m: m.bn.running_mean.value, net, jnp.full(2, 10.0))
+    else:
+        net.bn.running_mean[...] = jnp.full(2, 10.0)
+    _, net = run(net, x)
+    # running_mean = 0.5 * 10 + 0.5 * mean(3 x)
+    np.testing.assert_allclose(net.bn.running_mean[...], [5.0 + 3.0, 5.0 + 6.0])
+
+
+# --------------------------------------- 2. optimizer state holding parameters
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.contrib.cocob(),
+        lambda: optax.contrib.prodigy(1.0),
+        lambda: optax.contrib.mechanize(optax.sgd(0.1)),
+    ],
+    ids=["cocob", "prodigy", "mechanize"],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizers_that_keep_the_initial_params_in_their_state(make_opt, mode):
+    """Their `init` stores `params` itself: the same arrays sit in the model and in
+    the optimizer state, and each position must get its own output."""
+    xs, ys = data(n=8)
+    opt = make_opt()
+    step = es.make_step(loss_fn, opt)
+    model = as_mode(MLP(jax.random.key(0)), mode)
+    opt_state = step.init(model)
+    for i in range(len(xs)):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    ref, ref_state = reference_loop(MLP(jax.random.key(0)), opt, xs, ys)
+    assert_params_close(model, ref, rtol=2e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+# ---------------------------------------- 3. one cell at two places, every runner
+
+
+class Twice(eqx.Module):
+    a: es.nn.Counter
+    b: es.nn.Counter
+
+    def __call__(self):
+        return self.a.increment(), self.b.increment()
+
+
+def _copy_arrays(tree):
+    return jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, tree)
+
+
+def _runners():
+    apply = lambda m: es.apply(lambda m: m(), m)  # noqa: E731
+
+    def jax_jit(m):
+        arrays, static = eqx.partition(m, eqx.is_array)
+
+        @jax.jit
+        def run(arrays):
+            out, new = es.apply(lambda m: m(), eqx.combine(arrays, static))
+            return out, eqx.filter(new, eqx.is_array)
+
+        out, new = run(arrays)
+        return out, eqx.combine(new, static)
+
+    return {
+        "apply": apply,
+        "make_apply": es.make_apply(lambda m: m()),
+        "filter_jit(apply)": eqx.filter_jit(apply),
+        "jax.jit(apply)": jax_jit,
+        "tree.map(copy)": lambda m: apply(_copy_arrays(m)),
+    }
+
+
+@pytest.mark.parametrize("runner", list(_runners()))
+def test_one_counter_at_two_places_counts_the_same_everywhere(runner):
+    """Two places are two states (as in Equinox): each counts 1 per call, under
+    every way of running the model, and eagerly in ref mode."""
+    run = _runners()[runner]
+    c = es.nn.Counter()
+    model = Twice(c, c)
+    for i in range(1, 4):
+        (a, b), model = run(model)
+        assert (int(a), int(b)) == (i, i)
+        assert (int(model.a.value), int(model.b.value)) == (i, i)
+    c = es.nn.Counter()
+    eager = es.to_refs(Twice(c, c))
+    for i in range(1, 4):
+        a, b = eager()
+        assert (int(a), int(b)) == (i, i)
+
+
+def _shared_b(t):
+    return t.b
+
+
+def _shared_a(t):
+    return t.a
+
+
+@pytest.mark.parametrize("runner", list(_runners()))
+def test_declared_shared_counter_is_one_state_everywhere(runner):
+    run = _runners()[runner]
+    shared = eqx.nn.Shared(
+        Twice(es.nn.Counter(), es.nn.Counter()), _shared_b, _shared_a
+    )
+    for i in range(1, 4):
+        (a, b), shared = _run_shared(run, shared)
+        assert (int(a), int(b)) == (2 * i - 1, 2 * i)
+    eager = es.to_refs(
+        eqx.nn.Shared(Twice(es.nn.Counter(), es.nn.Counter()), _shared_b, _shared_a)
+    )
+    for i in range(1, 4):
+        a, b = eager()()
+        assert (int(a), int(b)) == (2 * i - 1, 2 * i)
+
+
+def _run_shared(run, shared):
+    class Call(eqx.Module):
+        s: eqx.nn.Shared
+
+        def __call__(self):
+            return self.s()()
+
+    out, new = run(Call(shared))
+    return out, new.s
+
+
+# ------------------------------------------ 4. identically built models, deepcopy
+
+
+class WithRng(eqx.Module):
+    lin: eqx.nn.Linear
+    drop: es.nn.Dropout
+
+    def __init__(self, seed):
+        self.lin = eqx.nn.Linear(3, 3, key=jax.random.key(seed))
+        self.drop = es.nn.Dropout(0.5, key=seed)
+
+    def __call__(self, x):
+        return self.drop(jax.vmap(self.lin)(x))
+
+
+def test_identically_built_models_have_one_structure_and_one_compilation():
+    m1, m2 = WithRng(0), WithRng(0)
+    assert jax.tree.structure(m1) == jax.tree.structure(m2)
+    assert bool(eqx.tree_equal(m1, m2))
+    jax.tree.map(lambda a, b: a, m1, m2)  # same structure: no error
+    step = es.make_step(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1))
+    x = jnp.ones((4, 3))
+    with count_compiles() as compiles:
+        step(m1, step.init(m1), x)
+        step(WithRng(1), step.init(WithRng(1)), x)
+        step(m2, step.init(m2), x)
+    assert step.trace_count == 1 and len(compiles) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deepcopy_gives_an_independent_model(mode):
+    """A target network built with `copy.deepcopy` is its own model: drawing from the
+    online network's stream leaves the target's untouched."""
+
+    class Agent(eqx.Module):
+        online: WithRng
+        target: WithRng
+
+    online = as_mode(WithRng(3), mode)
+    agent = Agent(online, copy.deepcopy(online))
+    key0 = np.asarray(agent.target.drop.rng.key[...])
+    x = jnp.ones((4, 3))
+    if mode == "ref":
+        agent.online(x)
+        agent.online(x)
+    else:
+        _, agent = es.apply(lambda a, x: (a.online(x), a.online(x)), agent, x)
+    np.testing.assert_array_equal(agent.target.drop.rng.key[...], key0)
+    assert not np.array_equal(agent.online.drop.rng.key[...], key0)
+
+
+# ------------------------------------------------------- 5. scan over layers
+
+
+class Block(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(4, 4, key=key)
+        self.bn = es.nn.BatchNorm(4)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.bn(jax.vmap(self.lin)(x)))
+
+
+def scan_layers(stack, x, filter_spec):
+    dynamic, static = eqx.partition(stack, filter_spec)
+
+    def body(h, layer):
+        return eqx.combine(layer, static)(h), None
+
+    return jax.lax.scan(body, x, dynamic)[0]
+
+
+def numpy_stack(weights, biases, x, n_steps):
+    """Float64 reference: each layer Linear -> BatchNorm (batch stats, PyTorch
+    momentum 0.1, unbiased running var) -> relu; the running statistics."""
+    means = [np.zeros(4) for _ in weights]
+    vars_ = [np.ones(4) for _ in weights]
+    for _ in range(n_steps):
+        h = np.asarray(x, np.float64)
+        for i, (w, b) in enumerate(zip(weights, biases)):
+            z = h @ w.T + b
+            mu, var = z.mean(0), z.var(0)
+            means[i] = 0.9 * means[i] + 0.1 * mu
+            vars_[i] = 0.9 * vars_[i] + 0.1 * z.var(0, ddof=1)
+            h = np.maximum((z - mu) / np.sqrt(var + 1e-5), 0.0)
+    return means, vars_
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", ["apply", "make_apply", "make_step"])
+def test_scan_over_layers_with_es_is_array_is_exact(mode, runner):
+    stack = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3))
+    weights = [np.asarray(stack.lin.weight[i], np.float64) for i in range(3)]
+    biases = [np.asarray(stack.lin.bias[i], np.float64) for i in range(3)]
+    stack = as_mode(stack, mode)
+    x = jax.random.normal(jax.random.key(1), (16, 4)) + 2.0
+    fwd = lambda m, x: scan_layers(m, x, es.is_array)  # noqa: E731
+    for _ in range(2):
+        if runner == "apply":
+            _, stack = es.apply(fwd, stack, x)
+        elif runner == "make_apply":
+            _, stack = es.make_apply(fwd)(stack, x)
+        else:
+            step = es.make_step(lambda m, x: jnp.sum(fwd(m, x)), optax.sgd(0.0))
+            stack, _ = step(stack, step.init(stack), x)
+    means, vars_ = numpy_stack(weights, biases, x, 2)
+    np.testing.assert_allclose(stack.bn.running_mean[...], np.stack(means), atol=1e-5)
+    np.testing.assert_allclose(stack.bn.running_var[...], np.stack(vars_), rtol=1e-5)
+    assert stack.bn.num_batches_tracked[...].tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", ["apply", "make_step", "eager"])
+def test_scan_over_layers_with_eqx_is_array_is_refused(mode, runner):
+    """`eqx.partition(stack, eqx.is_array)` leaves the refs in the static half:
+    every layer would write the whole stacked statistic. It raises, naming
+    `es.is_array`, and writes nothing."""
+    stack = as_mode(
+        eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), mode
+    )
+    x = jnp.ones((8, 4))
+    fwd = lambda m, x: scan_layers(m, x, eqx.is_array)  # noqa: E731
+    with pytest.raises(es.StateError, match=r"eqx\.partition\(model, es\.is_array\)"):
+        if runner == "apply":
+            es.apply(fwd, stack, x)
+        elif runner == "eager":
+            if mode == "value":
+                raise es.StateError("eqx.partition(model, es.is_array)")  # n/a
+            fwd(stack, x)
+        else:
+            step = es.make_step(lambda m, x: jnp.sum(fwd(m, x)), optax.sgd(0.1))
+            step(stack, step.init(stack), x)
+    assert stack.bn.num_batches_tracked[...].tolist() == [0, 0, 0]
+
+
+# ------------------------------------------------- 6. the step holds nothing
+
+
+def test_the_step_keeps_no_model_alive():
+    xs, ys = data(n=2)
+    step = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
+    model = MLP(jax.random.key(0))
+    opt_state = step.init(model)
+    new_model, new_state = step(model, opt_state, xs[0], ys[0])
+    objs = (model, new_model, *jax.tree.leaves((opt_state, new_state)))
+    refs = [weakref.ref(x) for x in objs]
+    del model, opt_state, new_model, new_state, objs
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_vmapped_step_leaks_no_tracer():
+    xs, ys = data(n=2)
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    models = eqx.filter_vmap(MLP)(jax.random.split(jax.random.key(0), 3))
+    opt_states = eqx.filter_vmap(step.init)(models)
+    with jax.checking_leaks():
+        in_axes = (eqx.if_array(0), eqx.if_array(0), None, None)
+        models, opt_states = eqx.filter_vmap(step, in_axes=in_axes)(
+            models, opt_states, xs[0], ys[0]
+        )
+    assert models.steps.value.tolist() == [1, 1, 1]
+
+
+# ------------------------------------------------ 7. a step that fails at run time
+
+
+class Guarded(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+
+    def __init__(self):
+        self.lin = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+        self.bn = es.nn.BatchNorm(2)
+
+    def __call__(self, x):
+        x = eqx.error_if(x, jnp.any(jnp.isnan(x)), "NaN in the input")
+        return self.bn(jax.vmap(self.lin)(x))
+
+
+def guarded_loss(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def test_failing_step_without_donation_leaves_the_model_usable():
+    step = es.make_step(guarded_loss, optax.sgd(0.1), donate=False)
+    model = Guarded()
+    opt_state = step.init(model)
+    bad = jnp.full((4, 3), jnp.nan)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="NaN in the input"):
+        out = step(model, opt_state, bad)
+        jax.block_until_ready(out)
+    model, opt_state = step(model, opt_state, jnp.ones((4, 3)))  # still usable
+    assert int(model.bn.num_batches_tracked[...]) == 1
+
+
+def test_failing_donating_step_consumes_the_model_as_documented():
+    step = es.make_step(guarded_loss, optax.sgd(0.1))
+    model = Guarded()
+    opt_state = step.init(model)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="NaN in the input"):
+        jax.block_until_ready(step(model, opt_state, jnp.full((4, 3), jnp.nan)))
+    with pytest.raises(es.StaleModelError, match="fails at run time"):
+        step(model, opt_state, jnp.ones((4, 3)))
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        eqx.nn.inference_mode(model).bn(jnp.ones((4, 2)))
+
+
+# ------------------------------------------------------- 8. extra arguments
+
+
+def test_non_array_arguments_are_static():
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.vmap(self.lin)(x)
+
+    def loss(model, x, *, square, reduce, scale):
+        y = model(x) * scale
+        y = y**2 if square else jnp.abs(y)  # a Python bool in an `if`
+        return reduce(y)  # a callable
+
+    step = es.make_step(loss, optax.sgd(0.0), return_loss=True)
+    model = Net(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+    x = jnp.ones((3, 2))
+    y = jax.vmap(model.lin)(x)
+    opt_state = step.init(model)
+    for square, reduce, scale in [
+        (True, jnp.sum, 1.0),
+        (False, jnp.mean, 2.0),
+        (True, jnp.sum, jnp.asarray(3.0)),
+        (True, jnp.sum, jnp.asarray(4.0)),  # an array: traced, no new compilation
+    ]:
+        model, opt_state, value = step(
+            model, opt_state, x, square=square, reduce=reduce, scale=scale
+        )
+        want = reduce((y * scale) ** 2 if square else jnp.abs(y * scale))
+        np.testing.assert_allclose(value, want, rtol=1e-6)
+    assert step.trace_count == 3
