@@ -5,6 +5,7 @@ its sufficient statistics (the public extension API); plus the helpers metrics s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -141,6 +142,10 @@ def statistic(
         )
     value = jnp.full(tuple(shape), init, dtype)
     return Statistic(value, init=init, merge=merge)
+
+
+def _fresh_copy(cell: Statistic) -> Statistic:
+    return eqx.tree_at(lambda c: c.value, cell, jnp.array(cell.value, copy=True))
 
 
 # --------------------------------------------------------------------- helpers
@@ -289,6 +294,20 @@ def _unbound_axis_message(metric: str, axis: Hashable, what: str) -> str:
     )
 
 
+def _gather(x: Array, axis_name: Hashable) -> Array:
+    """Every member's `x`, stacked in axis order: `[axis_size, *x.shape]`, the same
+    on every member. A `psum` of each member's slot rather than `all_gather`, whose
+    result JAX types as per-device (varying) inside `shard_map`; exact (the other
+    slots add zeros), also for infinities and NaN."""
+    n = jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    slot = (jnp.arange(n) == me).reshape((n,) + (1,) * x.ndim)
+    stacked = jnp.where(slot, x[None], jnp.zeros((), x.dtype))
+    if x.dtype == jnp.bool_:
+        return jax.lax.psum(stacked.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return jax.lax.psum(stacked, axis_name)
+
+
 def _fold(
     merge: Callable[[dict[str, Array], dict[str, Array]], dict[str, Array]],
     stats: dict[str, Array],
@@ -296,7 +315,7 @@ def _fold(
 ) -> dict[str, Array]:
     """Merge `stats` over a named axis with any associative `merge`: gather every
     member's statistics and merge them in axis order (the same on every member)."""
-    gathered = {k: jax.lax.all_gather(v, axis_name) for k, v in stats.items()}
+    gathered = {k: _gather(v, axis_name) for k, v in stats.items()}
     first = {k: g[0] for k, g in gathered.items()}
     rest = {k: g[1:] for k, g in gathered.items()}
 
@@ -385,6 +404,15 @@ class Metric(eqx.Module):
     """
 
     axis_name: Hashable | None = eqx.field(static=True, default=None, kw_only=True)
+
+    def __init_subclass__(cls, **kwargs: Any):
+        # A statistic given as a field's default becomes a default factory, so that
+        # every instance gets arrays of its own (a class attribute is one object).
+        super().__init_subclass__(**kwargs)
+        for name, default in list(vars(cls).items()):
+            if isinstance(default, Statistic):
+                factory = functools.partial(_fresh_copy, default)
+                setattr(cls, name, eqx.field(default_factory=factory))
 
     def __check_init__(self):
         for f in dataclasses.fields(self):
