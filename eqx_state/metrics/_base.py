@@ -570,10 +570,14 @@ class Metric(eqx.Module):
                     _unbound_axis_message(type(self).__name__, axis, what)
                 ) from None
         varying = frozenset().union(*(_varying_axes(v) for v in stats.values()))
-        todo = tuple(a for a in axes if a in varying or not _tracks_varying(a))
+        todo: tuple[Hashable, ...] = tuple(
+            a for a in axes if a in varying or not _tracks_varying(a)
+        )
         if not todo:
             return stats
-        return self.reduce_statistics(stats, todo if len(todo) > 1 else todo[0])
+        return self.reduce_statistics(
+            stats, todo if len(todo) > 1 else next(iter(todo))
+        )
 
     # ------------------------------------------------------------------ machinery
 
