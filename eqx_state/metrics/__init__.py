@@ -31,9 +31,9 @@ No data, or only masked-out data, never raises and never computes NaN (so metric
 work under `jax.debug_nans`): `Mean`, `MeanStd`, `LastValue`, `Accuracy` and `Sum`
 compute 0, `ConfusionMatrix` a zero matrix, `Min` / `Max` +inf / -inf (the identity
 of the reduction, as torchmetrics); `Precision`, `Recall` and `F1` compute
-`zero_division` (default 0, as scikit-learn) for any undefined ratio. Every metric's
-statistics include the count (`weight`, `total`, `count`) that tells "no data"
-apart.
+`zero_division` (default 0, as scikit-learn) for any undefined ratio. Where that value
+could be mistaken for a result, a statistic tells "no data" apart: `Mean.weight`,
+`Accuracy.total`, `MeanStd.count`, and `count` of `Min`, `Max` and `LastValue`.
 """
 
 from .._reset import reset as reset

@@ -352,9 +352,10 @@ class Metric(eqx.Module):
 
     Metrics have no `inference` field: they keep updating under
     [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/),
-    because evaluation loops are where they are used most. No metric computes NaN
-    for "no data" (it works under `jax.debug_nans`): each documents its value on no
-    data, and its statistics include the count.
+    because evaluation loops are where they are used most. No built-in metric
+    computes NaN for "no data" (they work under `jax.debug_nans`): each documents
+    its value on no data, and keeps a count where that value could be mistaken for
+    a result.
 
     **`axis_name`.** Every metric takes `axis_name` (default `None`; a name or a
     tuple of names): each `update` then first reduces the batch's statistics over
