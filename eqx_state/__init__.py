@@ -22,6 +22,7 @@ from ._errors import (
     StepError as StepError,
 )
 from ._modes import freeze as freeze, to_refs as to_refs
+from ._reset import reset as reset
 from ._step import (
     Apply as Apply,
     Step as Step,
@@ -30,7 +31,6 @@ from ._step import (
     make_step as make_step,
 )
 from ._vmap import vmap as vmap
-from .metrics import reset as reset
 
 
 __version__ = "0.1.0"

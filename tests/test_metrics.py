@@ -265,46 +265,54 @@ def test_out_of_range_labels_are_dropped():
 
 
 FRESH = [
-    (esm.Mean, "nan"),
+    (esm.Mean, 0.0),
     (esm.Sum, 0.0),
-    (esm.Min, "nan"),
-    (esm.Max, "nan"),
-    (esm.LastValue, "nan"),
-    (esm.Accuracy, "nan"),
+    (esm.Min, np.inf),
+    (esm.Max, -np.inf),
+    (esm.LastValue, 0.0),
+    (esm.Accuracy, 0.0),
     (lambda: esm.Precision(), 0.0),
     (lambda: esm.Recall(4, average="macro"), 0.0),
     (lambda: esm.F1(4, average="micro"), 0.0),
     (lambda: esm.F1(4, average="weighted"), 0.0),
+    (lambda: esm.Precision(4, average="macro", zero_division=1), 1.0),
 ]
 
 
 @pytest.mark.parametrize("factory,want", FRESH)
-def test_empty_metrics_give_nan_or_zero(factory, want):
-    fresh = factory().compute()
-    # an update whose every entry is masked out changes nothing
-    m = es.to_refs(factory())
-    if isinstance(m, (esm.Accuracy, esm.Precision, esm.Recall, esm.F1)):
-        m.update(jnp.array([1, 0]), jnp.array([1, 1]), mask=jnp.array([False, False]))
-    else:
-        m.update(jnp.array([3.0, 4.0]), mask=jnp.array([0, 0]))
-    for got in (fresh, m.compute()):
-        if want == "nan":
-            assert np.isnan(got)
+def test_empty_metrics_give_a_number_not_nan(factory, want):
+    # no NaN as a "no data" marker: constructing and computing an empty metric works
+    # under jax.debug_nans (which raises on any NaN produced)
+    with jax.debug_nans(True):
+        fresh = factory().compute()
+        # an update whose every entry is masked out changes nothing
+        m = es.to_refs(factory())
+        if isinstance(m, (esm.Accuracy, esm.Precision, esm.Recall, esm.F1)):
+            m.update(
+                jnp.array([1, 0]), jnp.array([1, 1]), mask=jnp.array([False, False])
+            )
         else:
+            m.update(jnp.array([3.0, 4.0]), mask=jnp.array([0, 0]))
+        for got in (fresh, m.compute()):
             assert float(got) == want
 
 
 def test_empty_mean_std_and_confusion_matrix():
-    mean, std = esm.MeanStd().compute()
-    assert np.isnan(mean) and np.isnan(std)
-    one = es.to_refs(esm.MeanStd(ddof=1))
-    one.update(jnp.array([5.0]))
-    mean, std = one.compute()
-    assert float(mean) == 5.0 and np.isnan(std)  # numpy: std(ddof=1) of one value
-    np.testing.assert_array_equal(esm.ConfusionMatrix(3).compute(), np.zeros((3, 3)))
-    np.testing.assert_array_equal(
-        esm.ConfusionMatrix(3, normalize="true").compute(), np.zeros((3, 3))
-    )
+    with jax.debug_nans(True):
+        mean, std = esm.MeanStd().compute()
+        assert float(mean) == 0.0 and float(std) == 0.0
+        one = es.to_refs(esm.MeanStd(ddof=1))
+        one.update(jnp.array([5.0]))
+        mean, std = one.compute()
+        # numpy: std(ddof=1) of one value is NaN (with a warning); here 0, count 1
+        assert float(mean) == 5.0 and float(std) == 0.0
+        assert float(one.count[...]) == 1.0
+        np.testing.assert_array_equal(
+            esm.ConfusionMatrix(3).compute(), np.zeros((3, 3))
+        )
+        np.testing.assert_array_equal(
+            esm.ConfusionMatrix(3, normalize="true").compute(), np.zeros((3, 3))
+        )
 
 
 def test_no_positive_predictions_matches_sklearn_zero_division():
@@ -417,19 +425,23 @@ def test_reset_zeroes_metrics_and_leaves_other_state(mode):
         ),
     )
     x = jnp.array([[1.0, 2.0], [3.0, 5.0]])
+    # a fresh collection: 0 for the mean, +inf for the minimum, 0 for the rest
+    fresh = [0.0, np.inf, 0.0, 0.0, 0.0]
     if mode == "ref":
         model = es.to_refs(model)
         model(x)
-        same = es.metrics.reset(model)
-        for result in (same, model):  # in place: the old handle sees the reset too
-            out = result.metrics.compute()
-            assert all(np.isnan(np.asarray(v)).all() for v in jax.tree.leaves(out))
+        same = es.reset(model)
+        assert same is model  # ref mode: written in place, the same model returned
+        out = model.metrics.compute()
+        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(fresh)):
+            np.testing.assert_array_equal(got, want)
     else:
         _, model = es.apply(lambda m: m(x), model)
         before = model.metrics.compute()
-        new = es.metrics.reset(model)
+        new = es.reset(model)
         out = new.metrics.compute()
-        assert all(np.isnan(np.asarray(v)).all() for v in jax.tree.leaves(out))
+        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(fresh)):
+            np.testing.assert_array_equal(got, want)
         close(model.metrics.compute()["mean"], before["mean"])  # old model unchanged
         model = new
     assert int(model.steps.value) == 1
@@ -456,19 +468,18 @@ def test_reset_inside_apply_writes_in_place():
     close(m.compute(), 2.0)
 
 
-def test_reset_keeps_tied_metrics_tied():
+def test_reset_resets_every_position_on_its_own():
     class Two(eqx.Module):
         a: esm.Sum
         b: esm.Sum
 
     shared = esm.Sum()
-    model = Two(shared, shared)  # one metric reachable from two places
-    _, model = es.apply(lambda m: m.a.update(2.0), model)
-    assert float(model.b.compute()) == 2.0
-    model = esm.reset(model)
-    assert model.a.total.value is model.b.total.value
-    _, model = es.apply(lambda m: m.b.update(5.0), model)
-    assert float(model.a.compute()) == 5.0
+    _, shared = es.apply(lambda m: m.update(2.0), shared)
+    model = esm.reset(Two(shared, shared))  # one array reachable from two places
+    assert float(model.a.compute()) == 0.0 and float(model.b.compute()) == 0.0
+    # two fresh arrays: each position is its own value
+    assert model.a.total.value is not model.b.total.value
+    assert float(shared.compute()) == 2.0  # value mode: the input is unchanged
 
 
 def test_reset_inside_make_step_loss():
@@ -591,7 +602,7 @@ def test_metrics_collection_partial_nested_and_errors():
     ms.update(count=1.0)  # only `count`; the others are untouched
     out = ms.compute()
     assert float(out["train"]["loss"]) == 2.0 and float(out["count"]) == 3.0
-    assert np.isnan(out["low"])
+    assert float(out["low"]) == np.inf and float(ms["low"].count[...]) == 0
     with pytest.raises(ValueError, match="not in this collection"):
         ms.update(loss=1.0)
     with pytest.raises(ValueError, match="cannot name a metric"):

@@ -55,8 +55,8 @@ def _w(kwargs, keep):
 def ref_mean(args, kwargs, keep):
     x, w = args[0][keep], _w(kwargs, keep)
     if w is None:
-        return x.mean() if len(x) else np.nan
-    return np.average(x, weights=w) if w.sum() > 0 else np.nan
+        return x.mean() if len(x) else 0.0  # no data: 0 (never NaN)
+    return np.average(x, weights=w) if w.sum() > 0 else 0.0
 
 
 def ref_sum(args, kwargs, keep):
@@ -66,23 +66,23 @@ def ref_sum(args, kwargs, keep):
 
 def ref_mean_std(args, kwargs, keep):
     x = np.repeat(args[0][keep], _w(kwargs, keep).astype(int))
-    mean = x.mean() if len(x) else np.nan
-    std = x.std(ddof=1) if len(x) > 1 else np.nan
+    mean = x.mean() if len(x) else 0.0  # no data: 0 (never NaN)
+    std = x.std(ddof=1) if len(x) > 1 else 0.0
     return mean, std
 
 
-def ref_extreme(fn):
-    return lambda args, kwargs, keep: fn(args[0][keep]) if keep.any() else np.nan
+def ref_extreme(fn, empty):
+    return lambda args, kwargs, keep: fn(args[0][keep]) if keep.any() else empty
 
 
 def ref_last(args, kwargs, keep):
-    return args[0][keep][-1] if keep.any() else np.nan
+    return args[0][keep][-1] if keep.any() else 0.0
 
 
 def ref_accuracy(args, kwargs, keep):
     logits, labels = args[0][keep], args[1][keep]
     if not keep.any():
-        return np.nan
+        return 0.0
     w = _w(kwargs, keep)
     return skm.top_k_accuracy_score(
         labels, logits, k=2, labels=range(C), sample_weight=w
@@ -124,8 +124,8 @@ CASES = {
         lambda r: values_data(r, "freq"),
         ref_mean_std,
     ),
-    "Min": (esm.Min, lambda r: values_data(r, None), ref_extreme(np.min)),
-    "Max": (esm.Max, lambda r: values_data(r, None), ref_extreme(np.max)),
+    "Min": (esm.Min, lambda r: values_data(r, None), ref_extreme(np.min, np.inf)),
+    "Max": (esm.Max, lambda r: values_data(r, None), ref_extreme(np.max, -np.inf)),
     "LastValue": (esm.LastValue, lambda r: values_data(r, None), ref_last),
     "Accuracy": (lambda: esm.Accuracy(top_k=2), class_data, ref_accuracy),
     "Precision": (

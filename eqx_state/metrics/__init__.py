@@ -11,8 +11,12 @@ matrix. It is updated where the value is computed:
 
 `update(...)` writes, `compute()` reads, `a.merge(b)` combines two metrics into a new
 one (pure, associative), `metric.reduce(axis_name)` combines them over a named axis
-(`vmap` / `shard_map` / `pmap`), and [`eqx_state.metrics.reset`][] starts every
-metric in a model over without touching other state.
+(`vmap` / `shard_map` / `pmap`), and [`eqx_state.reset`][] (also available as
+`eqx_state.metrics.reset`) starts every metric in a model over without touching
+other state.
+
+Your own metric declares its statistics with [`eqx_state.metrics.statistic`][] and
+defines `update` and `compute` (see [`eqx_state.metrics.Metric`][]).
 
 Metrics have no `inference` flag and keep updating under
 [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/): evaluation is where they are
@@ -23,15 +27,18 @@ contribute nothing, even NaN ones: use it for padded batches); all but `Min`, `M
 and `LastValue` take `sample_weight=`. Both may have the values' shape or a prefix of
 it (e.g. `[batch]` for per-token values `[batch, time]`).
 
-No data, or only masked-out data, never raises: `Mean`, `MeanStd`, `Min`, `Max`,
-`LastValue` and `Accuracy` compute NaN (like `numpy.mean([])`); `Sum` computes 0 and
-`ConfusionMatrix` a zero matrix; `Precision`, `Recall` and `F1` compute 0 for any
-undefined ratio (a class never predicted, no positive labels), as scikit-learn's
-`zero_division=0`.
+No data, or only masked-out data, never raises and never computes NaN (so metrics
+work under `jax.debug_nans`): `Mean`, `MeanStd`, `LastValue`, `Accuracy` and `Sum`
+compute 0, `ConfusionMatrix` a zero matrix, `Min` / `Max` +inf / -inf (the identity
+of the reduction, as torchmetrics); `Precision`, `Recall` and `F1` compute
+`zero_division` (default 0, as scikit-learn) for any undefined ratio. Where that value
+could be mistaken for a result, a statistic tells "no data" apart: `Mean.weight`,
+`Accuracy.total`, `MeanStd.count`, and `count` of `Min`, `Max` and `LastValue`.
 """
 
+from .._reset import reset as reset
 from ._accuracy import Accuracy as Accuracy
-from ._base import Metric as Metric
+from ._base import Metric as Metric, Statistic as Statistic, statistic as statistic
 from ._classification import (
     F1 as F1,
     ConfusionMatrix as ConfusionMatrix,
@@ -43,4 +50,3 @@ from ._extrema import Max as Max, Min as Min
 from ._last_value import LastValue as LastValue
 from ._mean import Mean as Mean, Sum as Sum
 from ._mean_std import MeanStd as MeanStd
-from ._reset import reset as reset

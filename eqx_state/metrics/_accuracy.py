@@ -6,11 +6,11 @@ from collections.abc import Hashable
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Integer, Real, Shaped
+from jaxtyping import ArrayLike, Integer, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import FloatScalar, Metric, _cell, _safe_div, _weights
-from ._labels import _split_inputs
+from ._base import FloatScalar, Metric, _div, _weights, statistic
+from ._labels import _check_threshold, _predictions, _split_inputs, _valid_labels
 
 
 class Accuracy(Metric):
@@ -18,14 +18,33 @@ class Accuracy(Metric):
     (and `top_k_accuracy_score` for `top_k > 1`).
 
     Statistics: the (weighted) number of `correct` predictions and the `total`
-    weight. A prediction is correct (top-k) when fewer than `k` classes score strictly
-    higher than the true class; with ties this counts in the model's favour (sklearn
-    breaks ties by class order; the two agree whenever scores are distinct).
+    weight.
+
+    Ranking (from logits): classes are ordered by score, a NaN score above every
+    number, equal scores by class index (lower first) — the order of
+    `numpy.argmax` / `torch.argmax`, so `Accuracy()` equals `accuracy_score(labels,
+    logits.argmax(-1))` even with ties or NaN (all-NaN logits predict class 0: a
+    diverged model does not score 1.0). The same rule decides
+    [`eqx_state.metrics.ConfusionMatrix`][], `Precision`, `Recall` and `F1`, so
+    `Accuracy(top_k=k)` always equals `Recall(top_k=k, average="micro")`. With
+    ties, sklearn's `top_k_accuracy_score` ranks the higher class index first, so
+    the two can differ for `top_k > 1`; they agree whenever scores are distinct.
+
+    A label that is not a class index (e.g. a padding label of -1, or one
+    `>= num_classes`) counts as wrong; mask such examples out with `mask=`.
 
     **Arguments:**
 
     - `top_k`: count a prediction as correct when the true class is among the `k`
-        highest-scoring classes (needs logits/scores, not predicted labels).
+        highest-ranked classes (needs logits/scores, not predicted labels).
+    - `threshold`: for binary (or multi-label) problems given as probabilities of
+        the positive class, of the labels' shape: predict 1 where the probability
+        is `> threshold` (torchmetrics' rule; NaN predicts 0). On multi-label input
+        `[*batch, num_labels]` this is the fraction of correct label entries
+        (torchmetrics' `MultilabelAccuracy(average="micro")`, sklearn's
+        `1 - hamming_loss`).
+    - `num_classes`: if given, predicted labels and labels `>= num_classes` are not
+        class indices (logits always give the number of classes).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the statistics (default float32).
@@ -47,17 +66,25 @@ class Accuracy(Metric):
     correct: MetricState
     total: MetricState
     top_k: int = eqx.field(static=True)
-
-    _kinds = {"correct": "sum", "total": "sum"}
+    threshold: float | None = eqx.field(static=True)
+    num_classes: int | None = eqx.field(static=True)
 
     def __init__(
-        self, *, top_k: int = 1, axis_name: Hashable | None = None, dtype=jnp.float32
+        self,
+        *,
+        top_k: int = 1,
+        threshold: float | None = None,
+        num_classes: int | None = None,
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
     ):
         if top_k < 1:
             raise ValueError(f"Accuracy: top_k must be >= 1, got {top_k}.")
-        self.correct = _cell("sum", (), dtype)
-        self.total = _cell("sum", (), dtype)
+        self.correct = statistic("sum", dtype=dtype)
+        self.total = statistic("sum", dtype=dtype)
         self.top_k = top_k
+        self.threshold = _check_threshold("Accuracy", threshold)
+        self.num_classes = num_classes
         self.axis_name = axis_name
 
     def update(
@@ -73,39 +100,35 @@ class Accuracy(Metric):
         **Arguments:**
 
         - `logits_or_preds`: logits (or probabilities, any scores) of shape
-            `[*batch, num_classes]`, or predicted labels of shape `[*batch]`.
+            `[*batch, num_classes]`; predicted labels of shape `[*batch]`; or, with
+            `threshold`, probabilities of the labels' shape.
         - `labels`: the true class indices, shape `[*batch]`.
         - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix).
         - `mask`: which examples count; masked-out (padding) examples contribute
             nothing. (Unmasked examples whose label is not a class index, e.g. a
             padding label of -1, count as wrong: mask them.)
         """
-        logits, preds, labels = _split_inputs("Accuracy", logits_or_preds, labels, None)
+        logits, preds, labels = _split_inputs(
+            "Accuracy", logits_or_preds, labels, self.num_classes, self.threshold
+        )
         if logits is not None:
-            num_classes = logits.shape[-1]
-            valid = (labels >= 0) & (labels < num_classes)
-            safe = jnp.where(valid, labels, 0)
-            true_score = jnp.take_along_axis(logits, safe[..., None], axis=-1)
-            higher = jnp.sum((logits > true_score).astype(jnp.int32), axis=-1)
-            hit = valid & (higher < self.top_k)
+            _, hit = _predictions(logits, labels, self.top_k)
         else:
             assert preds is not None
             if self.top_k != 1:
                 raise ValueError(
                     f"Accuracy(top_k={self.top_k}) needs logits or scores with a "
-                    "trailing class axis to rank the classes; it got predicted "
-                    "labels. Pass the logits, or use `Accuracy()` (top_k=1)."
+                    "trailing class axis to rank the classes; it got predictions of "
+                    "the labels' shape. Pass the logits, or use `Accuracy()` "
+                    "(top_k=1)."
                 )
-            hit = preds == labels
-        dtype = self.total.dtype
-        w = _weights(labels, mask, sample_weight, dtype)
+            num_classes = 2 if self.threshold is not None else self.num_classes
+            hit = _valid_labels(labels, num_classes) & (preds == labels)
+        w = _weights(labels, mask, sample_weight, self.total.dtype)
         correct = jnp.sum(jnp.where(hit, w, jnp.zeros_like(w)))
-        self._accumulate((correct, jnp.sum(w)))
-
-    def _result(self, states: tuple[Array, ...]) -> FloatScalar:
-        correct, total = states
-        return jnp.where(total != 0, _safe_div(correct, total), jnp.nan)
+        self.accumulate(correct=correct, total=jnp.sum(w))
 
     def compute(self) -> FloatScalar:
-        """The accuracy in [0, 1]; NaN if no (unmasked) example was added."""
-        return self._result(self._read())
+        """The accuracy, `correct / total` (with negative sample weights too, as
+        sklearn); 0 if no (unmasked) example was added."""
+        return _div(self.correct[...], self.total[...])

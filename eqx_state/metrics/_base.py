@@ -1,15 +1,18 @@
-"""`Metric`: the base class of every metric, and the helpers metrics share (sample
-weights and masks, safe division, cross-device reductions)."""
+"""`Metric`, the base class of every metric, and `statistic`, the declaration of one of
+its sufficient statistics (the public extension API); plus the helpers metrics share
+(sample weights and masks, safe division, NaN strategies, cross-device reductions)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any, ClassVar
+import dataclasses
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Real
+from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState
 
@@ -18,45 +21,142 @@ from .._buffer import MetricState
 # linters would otherwise parse as forward references).
 FloatScalar = Float[Array, ""]
 RealScalar = Real[Array, ""]
-ConfusionArray = Real[Array, "num_classes num_classes"]
+ConfusionArray = Real[Array, "..."]
 Scores = Float[Array, "*classes"]
 
-
-# How each kind of cell starts, merges and reduces over a named axis:
-#   "sum": starts at 0, merges by +, reduces with psum;
-#   "min" / "max": start at +inf / -inf (the dtype's extremes for integers), merge
-#       with minimum / maximum, reduce with pmin / pmax;
-#   "last": starts at NaN (0 for integers); metrics that use it merge it themselves.
-_KINDS = ("sum", "min", "max", "last")
+Merge = str | Callable[[Array, Array], Array]
+_MERGES = ("sum", "min", "max", "custom")
 
 
-def _fill(kind: str, shape: tuple[int, ...], dtype: Any) -> Array:
+# ------------------------------------------------------------------ statistics
+
+
+class Statistic(MetricState):
+    """A metric's sufficient statistic: a [`eqx_state.MetricState`][] cell that also
+    says how two of its values merge (`merge`: `"sum"`, `"min"`, `"max"`, a function
+    `(a, b) -> merged`, or `"custom"`). Make one with
+    [`eqx_state.metrics.statistic`][]; it is selected by
+    `eqx_state.reset(model, eqx_state.MetricState)` like every metric cell.
+
+    **Example:**
+
+    ```python
+    import eqx_state as es
+
+    cell = es.metrics.statistic("min")
+    assert isinstance(cell, es.metrics.Statistic) and isinstance(cell, es.MetricState)
+    assert cell.merge == "min" and cell.init == float("inf")
+    ```
+    """
+
+    merge: Merge = eqx.field(static=True, default="sum", kw_only=True)
+
+
+def _default_init(merge: Merge, dtype: Any) -> bool | int | float:
     dtype = jnp.dtype(dtype)
-    if kind == "sum":
-        return jnp.zeros(shape, dtype)
-    inexact = jnp.issubdtype(dtype, jnp.inexact)
-    if kind == "min":
-        top = jnp.inf if inexact else jnp.iinfo(dtype).max
-        return jnp.full(shape, top, dtype)
-    if kind == "max":
-        bottom = -jnp.inf if inexact else jnp.iinfo(dtype).min
-        return jnp.full(shape, bottom, dtype)
-    if kind == "last":
-        return jnp.full(shape, jnp.nan if inexact else 0, dtype)
-    raise ValueError(f"Unknown metric cell kind {kind!r}; expected one of {_KINDS}.")
-
-
-def _cell(kind: str, shape: tuple[int, ...], dtype: Any) -> MetricState:
-    """A fresh [`eqx_state.MetricState`][] cell for a statistic of the given kind."""
-    return MetricState(_fill(kind, shape, dtype))
-
-
-def _safe_div(num: Array, den: Array) -> Array:
-    """`num / den` where `den > 0`, else 0 (no NaN, no division warning)."""
-    ok = den > 0
-    return jnp.where(
-        ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(num)
+    if merge == "sum":
+        return False if dtype == jnp.bool_ else 0
+    if merge in ("min", "max"):
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return float("inf") if merge == "min" else float("-inf")
+        if dtype == jnp.bool_:
+            return merge == "min"
+        info = jnp.iinfo(dtype)
+        return int(info.max) if merge == "min" else int(info.min)
+    raise ValueError(
+        f"statistic(merge={merge!r}) has no natural initial value: pass `init=` (the "
+        "value of the statistic before any data, which `eqx_state.reset` writes back)."
     )
+
+
+def statistic(
+    merge: Merge = "sum",
+    *,
+    shape: tuple[int, ...] = (),
+    dtype: Any = jnp.float32,
+    init: bool | int | float | None = None,
+) -> Any:
+    """Declare one sufficient statistic of a metric: a fresh
+    [`eqx_state.metrics.Statistic`][] cell (a [`eqx_state.MetricState`][]) that
+    starts at `init` and knows how it merges.
+
+    Use it as the value of a metric's field, either as the field's default (for
+    statistics of a fixed shape) or assigned in `__init__` (for shapes that depend
+    on the arguments, e.g. a `[num_classes, num_classes]` matrix). The field's name
+    is the statistic's name in [`eqx_state.metrics.Metric.accumulate`][] and
+    [`eqx_state.metrics.Metric.statistics`][].
+
+    **Arguments:**
+
+    - `merge`: how two values of the statistic combine, elementwise — when batches
+        are accumulated, when two metrics are merged, and across devices:
+        - `"sum"`: added (reduced over a named axis with `psum`);
+        - `"min"` / `"max"`: the smaller / larger (`pmin` / `pmax`);
+        - a function `(a, b) -> merged`, associative (e.g. `jnp.logaddexp`);
+          define it at module level so that two metrics compare equal;
+        - `"custom"`: statistics that merge together, not one by one (a mean and
+          its count): the metric overrides
+          [`eqx_state.metrics.Metric.merge_statistics`][].
+    - `shape`: the statistic's shape (default `()`, a scalar).
+    - `dtype`: its dtype (default float32).
+    - `init`: its value before any data, a Python scalar broadcast to `shape`, and
+        what [`eqx_state.reset`][] writes back. Default: 0 for `"sum"`, +inf / -inf
+        for `"min"` / `"max"` (the dtype's extremes for integers); required for the
+        others.
+
+    **Returns:**
+
+    The cell.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    class MaxAbs(es.metrics.Metric):
+        largest: es.MetricState = es.metrics.statistic("max")
+
+        def update(self, values):
+            self.accumulate(largest=jnp.max(jnp.abs(values)))
+
+        def compute(self):
+            return self.largest[...]
+
+    metric = es.to_refs(MaxAbs())
+    metric.update(jnp.array([1.0, -3.0]))
+    assert float(metric.compute()) == 3.0
+    ```
+    """
+    if not (callable(merge) or merge in _MERGES):
+        raise ValueError(
+            f"statistic: merge must be one of {_MERGES} or a function (a, b) -> "
+            f"merged, got {merge!r}."
+        )
+    if init is None:
+        init = _default_init(merge, dtype)
+    if not isinstance(init, (bool, int, float)):
+        raise TypeError(
+            f"statistic: init must be a Python scalar (it is a static fill value), "
+            f"got {type(init).__name__}."
+        )
+    value = jnp.full(tuple(shape), init, dtype)
+    return Statistic(value, init=init, merge=merge)
+
+
+def _fresh_copy(cell: Statistic) -> Statistic:
+    return eqx.tree_at(lambda c: c.value, cell, jnp.array(cell.value, copy=True))
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _div(num: Array, den: Array, zero_division: float = 0.0) -> Array:
+    """`num / den` where `den != 0`, else `zero_division` (no NaN produced, no
+    division warning, unless `zero_division` is NaN)."""
+    ok = den != 0
+    safe = jnp.where(ok, den, jnp.ones_like(den))
+    return jnp.where(ok, num / safe, jnp.full_like(num / safe, zero_division))
 
 
 def _fit(what: str, a: Array, shape: tuple[int, ...]) -> Array:
@@ -95,6 +195,40 @@ def _weights(like: Array, mask: Any, sample_weight: Any, dtype: Any) -> Array:
     return w
 
 
+_NAN_STRATEGIES = ("propagate", "ignore", "error")
+
+
+def _check_nan_strategy(metric: str, nan_strategy: str) -> str:
+    if nan_strategy not in _NAN_STRATEGIES:
+        raise ValueError(
+            f"{metric}: nan_strategy must be one of {_NAN_STRATEGIES}, got "
+            f"{nan_strategy!r}."
+        )
+    return nan_strategy
+
+
+def _nan_policy(
+    metric: str, nan_strategy: str, values: Array, w: Array
+) -> tuple[Array, Array]:
+    """Apply a NaN strategy to `values` and their per-element weights `w` (of the
+    values' shape): entries with weight 0 (masked out) never count."""
+    if nan_strategy == "propagate":
+        return values, w
+    bad = jnp.isnan(values) | jnp.isnan(w)
+    counted = bad & (w != 0)  # a NaN weight is != 0
+    if nan_strategy == "ignore":
+        zero = jnp.zeros_like(w)
+        return jnp.where(bad, jnp.zeros_like(values), values), jnp.where(bad, zero, w)
+    values = eqx.error_if(
+        values,
+        jnp.any(counted),
+        f"{metric}.update(nan_strategy='error') got NaN among its (unmasked) values "
+        "or sample weights. Mask the entries out (`mask=`), or build the metric with "
+        "nan_strategy='ignore' (skip them) or 'propagate' (the result becomes NaN).",
+    )
+    return values, w
+
+
 def _replicated(x: Array) -> dict[str, Any]:
     """`out_sharding` for an op that gathers a batch sharded over *explicit* mesh axes
     into a small replicated result (e.g. a scatter into a confusion matrix); empty
@@ -120,6 +254,9 @@ def _iota_like(x: Array) -> Array:
         return jnp.arange(x.shape[0], dtype=jnp.int32)
 
 
+# ------------------------------------------------------------ named-axis logic
+
+
 def _varying_axes(x: Any) -> frozenset:
     """The mesh axes over which `x` varies inside `shard_map` (empty elsewhere)."""
     try:
@@ -128,36 +265,74 @@ def _varying_axes(x: Any) -> frozenset:
         return frozenset()
 
 
-def _reduce_kind(kind: str, x: Array, axis_name: Hashable) -> Array:
-    if kind == "sum":
-        return jax.lax.psum(x, axis_name)
-    if kind == "min":
-        return jax.lax.pmin(x, axis_name)
-    if kind == "max":
-        return jax.lax.pmax(x, axis_name)
-    raise NotImplementedError(
-        f"A cell of kind {kind!r} has no default reduction over a named axis; the "
-        "metric must override `_reduce_states`."
+def _axis_tuple(axis_name: Hashable) -> tuple[Hashable, ...]:
+    return tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _tracks_varying(axis: Hashable) -> bool:
+    """Whether JAX tracks which values vary over `axis` (a `shard_map` axis with
+    `check_vma=True`). Elsewhere (`vmap`, `pmap`, `check_vma=False`) a value's type
+    does not say whether it is the same on every member, so nothing is assumed."""
+    try:
+        probe = jax.lax.pcast(jnp.zeros((), jnp.float32), axis, to="varying")
+    except Exception:  # noqa: BLE001 -- not a shard_map axis (vmap, pmap, ...)
+        return False
+    return axis in _varying_axes(probe)
+
+
+def _unbound_axis_message(metric: str, axis: Hashable, what: str) -> str:
+    return (
+        f"{metric}.{what}: no axis named {axis!r} is bound here, so there is "
+        "nothing to reduce over. A metric's `axis_name` (and `reduce(axis_name)`) "
+        "names the axis of an enclosing `jax.shard_map`, `jax.pmap` or "
+        "`jax.vmap(..., axis_name=...)` / `eqx_state.vmap`. Inside "
+        "`eqx_state.make_step(..., mesh=...)`, or a plain `jax.jit` over inputs "
+        "sharded across devices, there is no such axis and none is needed: the "
+        "step already reduces over the global batch (XLA's SPMD partitioner makes "
+        "the metric's sums cross-device sums), so build the metric without "
+        "`axis_name`."
     )
 
 
-def _merge_kind(kind: str, a: Array, b: Array) -> Array:
-    if kind == "sum":
-        return a + b
-    if kind == "min":
-        return jnp.minimum(a, b)
-    if kind == "max":
-        return jnp.maximum(a, b)
-    raise NotImplementedError(
-        f"A cell of kind {kind!r} has no default merge; the metric must override "
-        "`_combine`."
-    )
+def _gather(x: Array, axis_name: Hashable) -> Array:
+    """Every member's `x`, stacked in axis order: `[axis_size, *x.shape]`, the same
+    on every member. A `psum` of each member's slot rather than `all_gather`, whose
+    result JAX types as per-device (varying) inside `shard_map`; exact (the other
+    slots add zeros), also for infinities and NaN."""
+    n = jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    slot = (jnp.arange(n) == me).reshape((n,) + (1,) * x.ndim)
+    stacked = jnp.where(slot, x[None], jnp.zeros((), x.dtype))
+    if x.dtype == jnp.bool_:
+        return jax.lax.psum(stacked.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return jax.lax.psum(stacked, axis_name)
+
+
+def _fold(
+    merge: Callable[[dict[str, Array], dict[str, Array]], dict[str, Array]],
+    stats: dict[str, Array],
+    axis_name: Hashable,
+) -> dict[str, Array]:
+    """Merge `stats` over a named axis with any associative `merge`: gather every
+    member's statistics and merge them in axis order (the same on every member)."""
+    gathered = {k: _gather(v, axis_name) for k, v in stats.items()}
+    first = {k: g[0] for k, g in gathered.items()}
+    rest = {k: g[1:] for k, g in gathered.items()}
+
+    def body(acc: dict[str, Array], x: dict[str, Array]) -> tuple[Any, None]:
+        new = merge(acc, x)
+        return {k: jnp.asarray(new[k]).astype(acc[k].dtype) for k in acc}, None
+
+    out, _ = jax.lax.scan(body, first, rest)
+    return out
+
+
+# ----------------------------------------------------------------------- Metric
 
 
 class Metric(eqx.Module):
-    """The base class of all metrics: a stateful layer whose
-    [`eqx_state.MetricState`][] cells hold the metric's sufficient statistics (sums,
-    counts, extremes, a confusion matrix).
+    """The base class of all metrics: a stateful layer whose statistics — sums,
+    counts, extremes, a confusion matrix — are [`eqx_state.MetricState`][] cells.
 
     A metric is an ordinary `eqx.Module`: it can live inside a model (updated in the
     loss function during [`eqx_state.make_step`][]) or on its own (updated in an
@@ -166,124 +341,210 @@ class Metric(eqx.Module):
 
     - `update(...)` adds a batch to the statistics (a state write; masks and sample
       weights let padded batches contribute only their real entries).
-    - `compute()` reads the statistics and returns the metric's value.
+    - `compute()` reads the statistics and returns the metric's value (a read).
     - `merge(other)` returns a new (value-mode) metric whose statistics are those of
       both; merging is associative, so merging per-batch or per-device metrics in any
       grouping equals one pass over all the data.
     - `reduce(axis_name)` merges the metric over a named axis of `jax.vmap`,
       `jax.shard_map` or `jax.pmap` (a new value-mode metric, the same on every
       member of the axis).
-    - [`eqx_state.metrics.reset`][] returns a model whose metrics start over.
+    - [`eqx_state.reset`][] returns a model whose metrics start over.
 
     Metrics have no `inference` field: they keep updating under
-    [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/), because evaluation loops are
-    where they are used most.
+    [`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/),
+    because evaluation loops are where they are used most. No built-in metric
+    computes NaN for "no data" (they work under `jax.debug_nans`): each documents
+    its value on no data, and keeps a count where that value could be mistaken for
+    a result.
 
-    Every metric takes `axis_name` (default `None`): when set, each `update` first
-    sums (or min/max-es) the batch's statistics over that named axis, so that inside
-    `shard_map` / `pmap` / `vmap(axis_name=...)` every member holds the statistics of
-    the global batch, exactly one pass over it.
+    **`axis_name`.** Every metric takes `axis_name` (default `None`; a name or a
+    tuple of names): each `update` then first reduces the batch's statistics over
+    that named axis, so that inside `shard_map` / `pmap` / `vmap(axis_name=...)`
+    every member holds the statistics of the global batch, exactly one pass over
+    it. Inside `jax.shard_map`, JAX knows which values are already the same on every
+    device (replicated: a `pmean`-ed loss, an `all_gather`-ed batch): an update whose
+    statistics are all replicated over an axis *is* the global batch already and is
+    added once, not once per device (likewise `reduce` of a metric whose state is
+    already replicated changes nothing). Under `vmap`, `pmap` or
+    `shard_map(check_vma=False)` JAX does not track this, and every update is
+    reduced. An `axis_name` that is not bound (e.g. inside
+    `make_step(..., mesh=...)`, which needs none) raises a `ValueError` that says so.
 
-    **Writing a metric.** A subclass declares its cells as `MetricState` fields, lists
-    them in the class variable `_kinds` (`{"field": "sum" | "min" | "max" |
-    "last"}`: how each cell starts, merges and reduces over devices), computes a
-    batch's statistics in `update` and hands them to `self._accumulate(...)` (which
-    reduces them over `axis_name` and merges them into the cells), and turns
-    statistics into a value in `_result`. `compute`, `merge`, `reduce` and
-    [`eqx_state.metrics.reset`][] then work without further code; statistics that do
-    not merge elementwise (e.g. [`eqx_state.metrics.MeanStd`][]) also override
-    `_combine(a, b)` and `_reduce_states(states, axis_name)`.
+    **Writing a metric.** Declare each sufficient statistic as a field holding an
+    [`eqx_state.metrics.statistic`][] (its name, initial value and how it merges);
+    in `update`, compute the batch's statistics and hand them to
+    [`eqx_state.metrics.Metric.accumulate`][] (which reduces them over `axis_name`
+    and merges them into the cells); in `compute`, read the cells
+    (`self.total[...]`). `merge`, `reduce` and [`eqx_state.reset`][] then work
+    without further code. Statistics that merge together rather than one by one
+    (a mean and its count) are declared `merge="custom"` and the metric overrides
+    [`eqx_state.metrics.Metric.merge_statistics`][].
 
     **Example:**
 
     ```python
-    import equinox as eqx, jax.numpy as jnp
+    import jax.numpy as jnp
     import eqx_state as es
 
-    class FractionAbove(es.metrics.Metric):
-        hits: es.MetricState
-        total: es.MetricState
-        threshold: float = eqx.field(static=True)
+    class MeanAbsoluteError(es.metrics.Metric):
+        total: es.MetricState = es.metrics.statistic("sum")
+        count: es.MetricState = es.metrics.statistic("sum")
 
-        _kinds = {"hits": "sum", "total": "sum"}
+        def update(self, preds, targets):
+            errors = jnp.abs(preds - targets)
+            self.accumulate(total=jnp.sum(errors), count=errors.size)
 
-        def __init__(self, threshold, *, axis_name=None):
-            self.hits = es.MetricState(jnp.zeros(()))
-            self.total = es.MetricState(jnp.zeros(()))
-            self.threshold = threshold
-            self.axis_name = axis_name
+        def compute(self):
+            n = self.count[...]
+            return jnp.where(n > 0, self.total[...] / jnp.maximum(n, 1), 0.0)
 
-        def update(self, values):
-            self._accumulate((jnp.sum(values > self.threshold), values.size))
-
-        def _result(self, states):
-            hits, total = states
-            return jnp.where(total > 0, hits / total, jnp.nan)
-
-    metric = es.to_refs(FractionAbove(0.5))
-    metric.update(jnp.array([0.1, 0.7, 0.9, 0.2]))
-    assert float(metric.compute()) == 0.5
+    mae = es.to_refs(MeanAbsoluteError())
+    mae.update(jnp.array([1.0, 2.0]), jnp.array([1.5, 0.0]))
+    assert float(mae.compute()) == 1.25
     ```
     """
 
     axis_name: Hashable | None = eqx.field(static=True, default=None, kw_only=True)
 
-    _kinds: ClassVar[dict[str, str]] = {}
+    def __init_subclass__(cls, **kwargs: Any):
+        # A statistic given as a field's default becomes a default factory, so that
+        # every instance gets arrays of its own (a class attribute is one object).
+        super().__init_subclass__(**kwargs)
+        for name, default in list(vars(cls).items()):
+            if isinstance(default, Statistic):
+                factory = functools.partial(_fresh_copy, default)
+                setattr(cls, name, eqx.field(default_factory=factory))
 
-    # ----------------------------------------------------------- for subclasses
+    def __check_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name, None)
+            if isinstance(v, MetricState) and not isinstance(v, Statistic):
+                raise TypeError(
+                    f"{type(self).__name__}.{f.name} is a MetricState that does not "
+                    "say how it merges. Declare a metric's statistics with "
+                    "`eqx_state.metrics.statistic(merge, shape=..., dtype=..., "
+                    "init=...)`, e.g. `total: es.MetricState = "
+                    "es.metrics.statistic('sum')`."
+                )
+
+    # --------------------------------------------------- the hooks to override
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """Add a batch to the metric's statistics (a state write)."""
-        raise NotImplementedError
+        """Add a batch to the metric's statistics (a state write). A metric computes
+        the batch's statistics and calls
+        [`eqx_state.metrics.Metric.accumulate`][]."""
+        raise NotImplementedError(f"{type(self).__name__} does not define `update`.")
 
-    def _result(self, states: tuple[Array, ...]) -> Any:
-        raise NotImplementedError
+    def compute(self) -> Any:
+        """The metric's value from the statistics accumulated so far (a read; never
+        writes). A metric reads its cells, e.g. `self.total[...]`."""
+        raise NotImplementedError(f"{type(self).__name__} does not define `compute`.")
 
-    def _combine(self, a: tuple[Array, ...], b: tuple[Array, ...]) -> tuple[Array, ...]:
-        return tuple(
-            _merge_kind(kind, x, y) for kind, x, y in zip(self._kinds.values(), a, b)
+    def merge_statistics(
+        self, a: dict[str, Array], b: dict[str, Array]
+    ) -> dict[str, Array]:
+        """Merge two sets of statistics (`{name: array}`; `b`'s data comes after
+        `a`'s). The default merges each statistic by its declared rule; override it
+        for statistics declared `merge="custom"`. It must be associative: it is used
+        to accumulate batches, by `merge`, and (folded in axis order) by `reduce`.
+
+        **Arguments:**
+
+        - `a`, `b`: the statistics to merge, by name.
+
+        **Returns:**
+
+        The merged statistics, by name.
+        """
+        out = {}
+        for name, cell in self._statistic_cells().items():
+            rule, x, y = cell.merge, a[name], b[name]
+            if rule == "sum":
+                out[name] = x + y
+            elif rule == "min":
+                out[name] = jnp.minimum(x, y)
+            elif rule == "max":
+                out[name] = jnp.maximum(x, y)
+            elif callable(rule):
+                out[name] = rule(x, y)
+            else:
+                raise NotImplementedError(
+                    f"{type(self).__name__}: the statistic {name!r} is declared "
+                    "merge='custom', so the metric must override "
+                    "`merge_statistics(self, a, b)`."
+                )
+        return out
+
+    def reduce_statistics(
+        self, statistics: dict[str, Array], axis_name: Hashable
+    ) -> dict[str, Array]:
+        """Merge each member's statistics over the named axis `axis_name` (the result
+        is the same on every member). The default `psum`s / `pmin`s / `pmax`s
+        statistics declared `"sum"` / `"min"` / `"max"`, and otherwise gathers every
+        member's statistics and folds them with `merge_statistics` in axis order.
+        Override it only for a cheaper exact reduction.
+
+        **Arguments:**
+
+        - `statistics`: this member's statistics, by name.
+        - `axis_name`: the axis (or tuple of axes) to reduce over.
+
+        **Returns:**
+
+        The reduced statistics, by name.
+        """
+        cells = self._statistic_cells()
+        elementwise = type(self).merge_statistics is Metric.merge_statistics and all(
+            c.merge in ("sum", "min", "max") for c in cells.values()
         )
+        if not elementwise:
+            return _fold(self.merge_statistics, statistics, axis_name)
+        ops = {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}
+        return {
+            k: ops[str(cells[k].merge)](statistics[k], axis_name) for k in statistics
+        }
 
-    def _reduce_states(
-        self, states: tuple[Array, ...], axis_name: Hashable
-    ) -> tuple[Array, ...]:
-        return tuple(
-            _reduce_kind(kind, x, axis_name)
-            for kind, x in zip(self._kinds.values(), states)
-        )
+    # ------------------------------------------------------------ for update
 
-    # ------------------------------------------------------------------ machinery
+    def accumulate(self, **batch: ArrayLike) -> None:
+        """Merge a batch's statistics into the metric's cells (a state write): reduce
+        them over `axis_name` when the metric has one, then merge them into the
+        current values with `merge_statistics`. Call it from `update`.
 
-    def _cells(self) -> tuple[MetricState, ...]:
-        return tuple(getattr(self, name) for name in self._kinds)
+        **Arguments:**
 
-    def _read(self) -> tuple[Array, ...]:
-        return tuple(cell[...] for cell in self._cells())
-
-    def _with_states(self, states: tuple[Array, ...]) -> Any:
-        """A copy of this metric in value mode holding `states`."""
-        cells = tuple(
-            MetricState(jnp.asarray(s).astype(c.dtype))
-            for c, s in zip(self._cells(), states)
-        )
-        return eqx.tree_at(lambda m: m._cells(), self, cells)
-
-    def _accumulate(self, batch: tuple[Any, ...]) -> None:
-        """Merge a batch's statistics into the cells (reduced over `axis_name` first
-        when the metric has one)."""
-        cells = self._cells()
-        batch = tuple(jnp.asarray(b).astype(c.dtype) for b, c in zip(batch, cells))
+        - `**batch`: one value per statistic, by name (cast to the statistic's
+            dtype; broadcast to its shape).
+        """
+        cells = self._statistic_cells()
+        name = type(self).__name__
+        if set(batch) != set(cells):
+            raise TypeError(
+                f"{name}.accumulate got the statistics {sorted(batch)}; it needs one "
+                f"value for each statistic of the metric: {list(cells)}."
+            )
+        stats = {}
+        for k, cell in cells.items():
+            v = jnp.asarray(batch[k])
+            try:
+                v = jnp.broadcast_to(v, cell.shape)
+            except ValueError:
+                raise ValueError(
+                    f"{name}.accumulate: the statistic {k!r} has shape {cell.shape}, "
+                    f"got a value of shape {v.shape}."
+                ) from None
+            stats[k] = v.astype(cell.dtype)
         if self.axis_name is not None:
-            batch = self._reduce_states(batch, self.axis_name)
-        current = self._read()
-        for b, c in zip(batch, current):
-            extra = _varying_axes(b) - _varying_axes(c)
+            stats = self._reduce_over(stats, self.axis_name, "update")
+        current = {k: cell[...] for k, cell in cells.items()}
+        for k in cells:
+            extra = _varying_axes(stats[k]) - _varying_axes(current[k])
             if extra:
                 axes = ", ".join(repr(a) for a in sorted(extra, key=str))
                 raise ValueError(
-                    f"{type(self).__name__}.update got per-device values (they vary "
-                    f"over the mesh axes {axes} inside `shard_map`), but the metric's "
-                    "state is replicated over those axes, so each device would keep "
+                    f"{name}.update got per-device values (they vary over the mesh "
+                    f"axes {axes} inside `shard_map`), but the metric's state is "
+                    "replicated over those axes, so each device would keep "
                     "different statistics in a state declared identical. Either "
                     f"build the metric with `axis_name={sorted(extra, key=str)[0]!r}` "
                     "so that every update is reduced over the devices (each device "
@@ -292,27 +553,55 @@ class Metric(eqx.Module):
                     "to='varying'), metric)`) and combine at the end with "
                     "`metric.reduce(axis_name)`."
                 )
-        new = self._combine(current, batch)
-        for cell, value in zip(cells, new):
-            cell[...] = jnp.asarray(value).astype(cell.dtype)
+        new = self.merge_statistics(current, stats)
+        for k, cell in cells.items():
+            cell[...] = jnp.asarray(new[k]).astype(cell.dtype)
 
-    def _reset(self, memo: dict[int, Any] | None = None) -> Any:
-        """Fresh statistics: written in place for cells that hold refs (ref mode, or
-        inside a step), a new value-mode cell otherwise. `memo` maps the ids of old
-        arrays to their fresh replacements, so that tied cells stay tied."""
-        memo = {} if memo is None else memo
-        new_cells = []
-        for cell, kind in zip(self._cells(), self._kinds.values()):
-            old = cell.value
-            if isinstance(old, jax.Ref):
-                cell[...] = _fill(kind, cell.shape, cell.dtype)
-                new_cells.append(cell)
-                continue
-            if id(old) not in memo:  # keep `old` alive so that its id is not reused
-                fresh = MetricState(_fill(kind, cell.shape, cell.dtype))
-                memo[id(old)] = (old, fresh)
-            new_cells.append(memo[id(old)][1])  # one cell object: tied stay tied
-        return eqx.tree_at(lambda m: m._cells(), self, tuple(new_cells))
+    def _reduce_over(
+        self, stats: dict[str, Array], axis_name: Hashable, what: str
+    ) -> dict[str, Array]:
+        """Reduce `stats` over those axes of `axis_name` over which they are not
+        already replicated (every axis where JAX does not track it)."""
+        axes = _axis_tuple(axis_name)
+        for axis in axes:
+            try:
+                jax.lax.axis_size(axis)
+            except NameError:
+                raise ValueError(
+                    _unbound_axis_message(type(self).__name__, axis, what)
+                ) from None
+        varying = frozenset().union(*(_varying_axes(v) for v in stats.values()))
+        todo: tuple[Hashable, ...] = tuple(
+            a for a in axes if a in varying or not _tracks_varying(a)
+        )
+        if not todo:
+            return stats
+        return self.reduce_statistics(
+            stats, todo if len(todo) > 1 else next(iter(todo))
+        )
+
+    # ------------------------------------------------------------------ machinery
+
+    def _statistic_cells(self) -> dict[str, Statistic]:
+        return {
+            f.name: v
+            for f in dataclasses.fields(self)
+            if isinstance(v := getattr(self, f.name, None), Statistic)
+        }
+
+    def _with_statistics(self, stats: dict[str, Array]) -> Any:
+        """A copy of this metric in value mode holding `stats`."""
+        cells = self._statistic_cells()
+        names = list(cells)
+        new = [
+            eqx.tree_at(
+                lambda c: c.value,
+                cells[k],
+                jnp.asarray(stats[k]).astype(cells[k].dtype),
+            )
+            for k in names
+        ]
+        return eqx.tree_at(lambda m: [getattr(m, k) for k in names], self, new)
 
     def _check_mergeable(self, other: Any, what: str) -> None:
         if type(other) is not type(self):
@@ -322,8 +611,8 @@ class Metric(eqx.Module):
             )
         mine = jax.tree_util.tree_structure(self)
         theirs = jax.tree_util.tree_structure(other)
-        shapes = [c.shape for c in self._cells()]
-        other_shapes = [c.shape for c in other._cells()]
+        shapes = [c.shape for c in self._statistic_cells().values()]
+        other_shapes = [c.shape for c in other._statistic_cells().values()]
         if mine != theirs or shapes != other_shapes:
             raise ValueError(
                 f"{type(self).__name__}.{what}: the two metrics are configured "
@@ -334,16 +623,20 @@ class Metric(eqx.Module):
 
     def _config(self) -> str:
         shapes = ", ".join(
-            f"{n}{tuple(c.shape)}" for n, c in zip(self._kinds, self._cells())
+            f"{n}{tuple(c.shape)}" for n, c in self._statistic_cells().items()
         )
         return f"{type(self).__name__}[{shapes}; axis_name={self.axis_name!r}]"
 
     # ------------------------------------------------------------------ public API
 
-    def compute(self) -> Any:
-        """The metric's value from the statistics accumulated so far (a read; never
-        writes). See each metric for what it returns on no data."""
-        return self._result(self._read())
+    def statistics(self) -> dict[str, Array]:
+        """The current values of the metric's statistics, by name (a read).
+
+        **Returns:**
+
+        `{name: array}` for every [`eqx_state.metrics.statistic`][] of the metric.
+        """
+        return {k: cell[...] for k, cell in self._statistic_cells().items()}
 
     def merge(self, other: Any) -> Any:
         """Combine the statistics of two metrics of the same kind and configuration.
@@ -375,31 +668,31 @@ class Metric(eqx.Module):
         ```
         """
         self._check_mergeable(other, "merge")
-        return self._with_states(self._combine(self._read(), other._read()))
+        merged = self.merge_statistics(self.statistics(), other.statistics())
+        return self._with_statistics(merged)
 
     def reduce(self, axis_name: Hashable) -> Any:
         """Merge this metric over the named axis `axis_name` of an enclosing
-        `jax.vmap(..., axis_name=...)`, `jax.shard_map` or `jax.pmap`: sums and counts
-        are `psum`-ed, extremes `pmin`/`pmax`-ed, moments combined exactly (Chan et
-        al.), the last value taken from the highest axis index that has one.
+        `jax.vmap(..., axis_name=...)`, `jax.shard_map` or `jax.pmap` (see
+        [`eqx_state.metrics.Metric.reduce_statistics`][]).
 
         Use it when each member of the axis has updated its own metric with its shard
         of the batch; the result equals one pass over the global batch (members in
         axis order). Pure: returns a new value-mode metric, identical on every member.
 
-        Each member's state must hold only its own data: a state that was already
-        the same on every member before the updates (e.g. the result of an earlier
-        `reduce`) would be counted once per member. Update a fresh metric per batch
-        and merge the reduced result into the running one,
-        `total = total.merge(local.reduce(axis_name))`, or build the metric with
-        `axis_name=...`, which reduces each update's statistics instead. Inside
-        `shard_map`, a fresh local state must be marked per-device:
+        Inside `shard_map`, a state that is already replicated over the axis (built
+        with `axis_name=`, or the result of an earlier `reduce`) holds the global
+        statistics: it is returned unchanged, so calling `reduce` twice does not
+        count anything twice. A fresh per-device state must be marked as such,
         `local = jax.tree.map(lambda v: jax.lax.pcast(v, axis_name,
-        to="varying"), es.metrics.reset(metric))`.
+        to="varying"), es.reset(metric))`; merge the reduced result into the running
+        metric, `total = total.merge(local.reduce(axis_name))`. Under `vmap` and
+        `pmap`, JAX does not track what is replicated: there each member's state must
+        hold only its own data, or it is counted once per member.
 
         **Arguments:**
 
-        - `axis_name`: the name of the mapped axis.
+        - `axis_name`: the name of the mapped axis (or a tuple of names).
 
         **Returns:**
 
@@ -422,4 +715,5 @@ class Metric(eqx.Module):
         assert means.tolist() == [3.5] * 4
         ```
         """
-        return self._with_states(self._reduce_states(self._read(), axis_name))
+        stats = self._reduce_over(self.statistics(), axis_name, "reduce")
+        return self._with_statistics(stats)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import ClassVar
 
@@ -15,32 +16,77 @@ from ._base import (
     ConfusionArray,
     Metric,
     Scores,
-    _cell,
+    _div,
     _replicated,
-    _safe_div,
     _weights,
+    statistic,
 )
-from ._labels import _split_inputs
+from ._labels import (
+    _as_labels,
+    _check_threshold,
+    _predictions,
+    _split_inputs,
+    _threshold,
+)
 
 
 _AVERAGES = ("binary", "micro", "macro", "weighted", None)
 
 
+def _check_zero_division(metric: str, zero_division: int | float | str) -> float | str:
+    """0.0, 1.0 or the string "nan" (a static field must compare equal to itself)."""
+    if isinstance(zero_division, str) and zero_division == "nan":
+        return "nan"
+    if isinstance(zero_division, (int, float)):
+        if math.isnan(zero_division):
+            return "nan"
+        if zero_division in (0, 1):
+            return float(zero_division)
+    raise ValueError(
+        f"{metric}: zero_division must be 0, 1 or nan (as in scikit-learn), got "
+        f"{zero_division!r}."
+    )
+
+
 class _ConfusionMetric(Metric):
-    """Shared by every metric whose sufficient statistic is the confusion matrix."""
+    """Shared by every metric whose sufficient statistic is a confusion matrix:
+    `[C, C]` (multi-class; rows: true class, columns: predicted class) or `[L, 2, 2]`
+    (multi-label: per label `[[tn, fp], [fn, tp]]`, as
+    `sklearn.metrics.multilabel_confusion_matrix`)."""
 
     matrix: MetricState
     num_classes: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    threshold: float | None = eqx.field(static=True)
+    multilabel: bool = eqx.field(static=True)
 
-    _kinds = {"matrix": "sum"}
-
-    def _init_matrix(self, num_classes: int, axis_name: Hashable | None, dtype) -> None:
-        if num_classes < 2:
+    def _init_matrix(
+        self,
+        num_classes: int,
+        *,
+        top_k: int,
+        threshold: float | None,
+        multilabel: bool,
+        axis_name: Hashable | None,
+        dtype,
+    ) -> None:
+        name = type(self).__name__
+        if num_classes < (1 if multilabel else 2):
             raise ValueError(
-                f"{type(self).__name__}: num_classes must be >= 2, got {num_classes}."
+                f"{name}: num_classes must be >= 2 (>= 1 labels for multilabel=True), "
+                f"got {num_classes}."
+            )
+        if top_k < 1 or (top_k > 1 and multilabel):
+            raise ValueError(
+                f"{name}: top_k must be >= 1, and 1 for multi-label input; got "
+                f"top_k={top_k}, multilabel={multilabel}."
             )
         self.num_classes = num_classes
-        self.matrix = _cell("sum", (num_classes, num_classes), dtype)
+        self.top_k = top_k
+        self.threshold = _check_threshold(name, threshold)
+        self.multilabel = multilabel
+        shape = (num_classes, 2, 2) if multilabel else (num_classes, num_classes)
+        self.matrix = statistic("sum", shape=shape, dtype=dtype)
         self.axis_name = axis_name
 
     def update(
@@ -55,47 +101,103 @@ class _ConfusionMetric(Metric):
 
         **Arguments:**
 
-        - `logits_or_preds`: logits (or any scores) of shape
-            `[*batch, num_classes]`, whose argmax is the prediction, or predicted
-            labels of shape `[*batch]`.
-        - `labels`: the true class indices, shape `[*batch]`.
+        - `logits_or_preds`: multi-class: logits (or any scores) of shape
+            `[*batch, num_classes]` (ranked as in [`eqx_state.metrics.Accuracy`][]:
+            the prediction is the argmax, or the true class when it is in the
+            `top_k`), predicted labels of shape `[*batch]`, or, with `threshold`
+            (binary), probabilities of the positive class of shape `[*batch]`.
+            Multi-label: predictions of shape `[*batch, num_labels]`, 0/1 or
+            probabilities with `threshold`.
+        - `labels`: the true class indices, shape `[*batch]`; multi-label: 0/1 of
+            shape `[*batch, num_labels]`.
         - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix).
         - `mask`: which examples count; masked-out (padding) examples contribute
-            nothing. Examples whose label or prediction is outside
-            `[0, num_classes)` (e.g. a padding label of -1) are dropped too.
+            nothing. Labels (and predicted labels) outside `[0, num_classes)` — or,
+            multi-label, other than 0 and 1 — e.g. a padding label of -1, are
+            dropped too.
         """
+        if self.multilabel:
+            self._update_multilabel(logits_or_preds, labels, sample_weight, mask)
+            return
         name = type(self).__name__
+        c = self.num_classes
+        if self.threshold is not None and c != 2:
+            raise ValueError(
+                f"{name}(num_classes={c}, threshold=...): a threshold on "
+                "probabilities makes a binary prediction; build the metric with "
+                "num_classes=2, or multilabel=True for one probability per label."
+            )
         logits, preds, labels = _split_inputs(
-            name, logits_or_preds, labels, self.num_classes
+            name, logits_or_preds, labels, c, self.threshold
         )
         if logits is not None:
-            preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            preds, _ = _predictions(logits, labels, self.top_k)
+        elif self.top_k != 1:
+            raise ValueError(
+                f"{name}(top_k={self.top_k}) needs logits or scores with a trailing "
+                "class axis to rank the classes; it got predictions of the labels' "
+                "shape. Pass the logits, or use top_k=1."
+            )
         assert preds is not None
-        c = self.num_classes
         w = _weights(labels, mask, sample_weight, self.matrix.dtype)
         valid = (labels >= 0) & (labels < c) & (preds >= 0) & (preds < c) & (w != 0)
         # out-of-range flat index: dropped by the scatter
         flat = jnp.where(valid, labels * c + preds, c * c).reshape(-1)
         counts = jnp.zeros((c * c,), self.matrix.dtype)
         counts = counts.at[flat].add(w.reshape(-1), mode="drop", **_replicated(flat))
-        self._accumulate((counts.reshape(c, c),))
+        self.accumulate(matrix=counts.reshape(c, c))
 
-    def _counts(self, matrix: Array) -> tuple[Array, Array, Array]:
-        """Per class: true positives, predicted count (tp + fp), support (tp + fn)."""
-        return jnp.diagonal(matrix), jnp.sum(matrix, axis=0), jnp.sum(matrix, axis=1)
+    def _update_multilabel(self, x, labels, sample_weight, mask) -> None:
+        name = type(self).__name__
+        x, y = jnp.asarray(x), jnp.asarray(labels)
+        y = _as_labels(f"{name}.update: `labels`", y)
+        if x.shape != y.shape or x.ndim < 1 or x.shape[-1] != self.num_classes:
+            raise ValueError(
+                f"{name}(num_classes={self.num_classes}, multilabel=True) got "
+                f"predictions of shape {x.shape} and labels of shape {y.shape}: both "
+                f"must have the shape [*batch, {self.num_classes}] (one 0/1 entry, "
+                "or probability, per label)."
+            )
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            preds = _threshold(name, x, self.threshold, y.shape)
+        else:
+            preds = _as_labels(f"{name}.update: predictions", x)
+        dtype = self.matrix.dtype
+        w = _weights(y[..., 0], mask, sample_weight, dtype)[..., None]
+        ok = ((y == 0) | (y == 1)) & ((preds == 0) | (preds == 1))
+        w = jnp.where(ok, w, jnp.zeros_like(w))  # [*batch, L]
+        t = jnp.stack([y == 0, y == 1], -1).astype(dtype)  # [*batch, L, 2]
+        p = jnp.stack([preds == 0, preds == 1], -1).astype(dtype)
+        batch_axes = "".join(chr(ord("a") + i) for i in range(y.ndim - 1))
+        spec = f"{batch_axes}l,{batch_axes}lt,{batch_axes}lp->ltp"
+        self.accumulate(matrix=jnp.einsum(spec, w, t, p))
+
+    def _counts(self) -> tuple[Array, Array, Array]:
+        """Per class (label): true positives, false positives, false negatives."""
+        m = self.matrix[...]
+        if self.multilabel:
+            return m[:, 1, 1], m[:, 0, 1], m[:, 1, 0]
+        tp = jnp.diagonal(m)
+        return tp, jnp.sum(m, axis=0) - tp, jnp.sum(m, axis=1) - tp
 
 
 class ConfusionMatrix(_ConfusionMetric):
     """The confusion matrix: entry `[i, j]` is the (weighted) number of examples of
     true class `i` predicted as class `j`, as in `sklearn.metrics.confusion_matrix`
-    with `labels=range(num_classes)`.
+    with `labels=range(num_classes)`. With `multilabel=True`, one 2x2 matrix per
+    label, `[[tn, fp], [fn, tp]]`, as `sklearn.metrics.multilabel_confusion_matrix`.
 
     **Arguments:**
 
-    - `num_classes`: the number of classes.
+    - `num_classes`: the number of classes (of labels, with `multilabel=True`).
     - `normalize`: `None` (counts), `"true"` (each row sums to 1), `"pred"` (each
         column sums to 1) or `"all"` (the matrix sums to 1); empty rows/columns give
         0, as in sklearn.
+    - `threshold`: binary problems given as probabilities of the positive class
+        (needs `num_classes=2`), or multi-label probabilities: predict 1 where the
+        probability is `> threshold`.
+    - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
+        `[*batch, num_classes]`.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the counts (default float32: exact up to 2**24).
@@ -119,6 +221,8 @@ class ConfusionMatrix(_ConfusionMetric):
         num_classes: int,
         *,
         normalize: str | None = None,
+        threshold: float | None = None,
+        multilabel: bool = False,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
@@ -127,28 +231,34 @@ class ConfusionMatrix(_ConfusionMetric):
                 "ConfusionMatrix: normalize must be None, 'true', 'pred' or 'all', "
                 f"got {normalize!r}."
             )
-        self._init_matrix(num_classes, axis_name, dtype)
+        self._init_matrix(
+            num_classes,
+            top_k=1,
+            threshold=threshold,
+            multilabel=multilabel,
+            axis_name=axis_name,
+            dtype=dtype,
+        )
         self.normalize = normalize
-
-    def _result(self, states: tuple[Array, ...]) -> Array:
-        (matrix,) = states
-        if self.normalize == "true":
-            return _safe_div(matrix, jnp.sum(matrix, axis=1, keepdims=True))
-        if self.normalize == "pred":
-            return _safe_div(matrix, jnp.sum(matrix, axis=0, keepdims=True))
-        if self.normalize == "all":
-            return _safe_div(matrix, jnp.sum(matrix))
-        return matrix
 
     def compute(self) -> ConfusionArray:
         """The `[num_classes, num_classes]` matrix (rows: true class, columns:
-        predicted class); zeros with no data."""
-        return self._result(self._read())
+        predicted class), or `[num_labels, 2, 2]` with `multilabel=True`; zeros with
+        no data."""
+        matrix = self.matrix[...]
+        if self.normalize == "true":
+            return _div(matrix, jnp.sum(matrix, axis=-1, keepdims=True))
+        if self.normalize == "pred":
+            return _div(matrix, jnp.sum(matrix, axis=-2, keepdims=True))
+        if self.normalize == "all":
+            return _div(matrix, jnp.sum(matrix, axis=(-2, -1), keepdims=True))
+        return matrix
 
 
 class _AveragedMetric(_ConfusionMetric):
     average: str | None = eqx.field(static=True)
     pos_label: int = eqx.field(static=True)
+    zero_division: float | str = eqx.field(static=True)
 
     _what: ClassVar[str] = ""
 
@@ -158,6 +268,10 @@ class _AveragedMetric(_ConfusionMetric):
         *,
         average: str | None = "binary",
         pos_label: int = 1,
+        top_k: int = 1,
+        threshold: float | None = None,
+        multilabel: bool = False,
+        zero_division: int | float | str = 0.0,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
@@ -166,76 +280,100 @@ class _AveragedMetric(_ConfusionMetric):
             raise ValueError(
                 f"{name}: average must be one of {_AVERAGES}, got {average!r}."
             )
-        if average == "binary" and num_classes != 2:
+        if average == "binary" and (num_classes != 2 or multilabel):
             raise ValueError(
                 f"{name}(num_classes={num_classes}, average='binary'): the binary "
                 "average scores one positive class of a two-class problem. For "
-                "more classes pass average='macro', 'micro', 'weighted' or None "
-                "(per class)."
+                "more classes, or multi-label input, pass average='macro', "
+                "'micro', 'weighted' or None (per class)."
             )
-        if not 0 <= pos_label < num_classes:
+        if not 0 <= pos_label < max(num_classes, 2):
             raise ValueError(
                 f"{name}: pos_label must be a class index in [0, {num_classes}), "
                 f"got {pos_label}."
             )
-        self._init_matrix(num_classes, axis_name, dtype)
+        self._init_matrix(
+            num_classes,
+            top_k=top_k,
+            threshold=threshold,
+            multilabel=multilabel,
+            axis_name=axis_name,
+            dtype=dtype,
+        )
         self.average = average
         self.pos_label = pos_label
+        self.zero_division = _check_zero_division(name, zero_division)
 
-    def _score(self, tp: Array, predicted: Array, support: Array) -> Array:
+    def _score(self, tp: Array, fp: Array, fn: Array, zd: float) -> Array:
         raise NotImplementedError
 
-    def _result(self, states: tuple[Array, ...]) -> Array:
-        (matrix,) = states
-        tp, predicted, support = self._counts(matrix)
+    def compute(self) -> Scores:
+        """The score: a scalar, or one per class with `average=None`. Undefined
+        ratios are `zero_division`."""
+        zd = math.nan if self.zero_division == "nan" else float(self.zero_division)
+        tp, fp, fn = self._counts()
         if self.average == "micro":
-            return self._score(jnp.sum(tp), jnp.sum(predicted), jnp.sum(support))
-        per_class = self._score(tp, predicted, support)
+            return self._score(jnp.sum(tp), jnp.sum(fp), jnp.sum(fn), zd)
+        per_class = self._score(tp, fp, fn, zd)
         if self.average is None:
             return per_class
         if self.average == "binary":
             return per_class[self.pos_label]
-        if self.average == "weighted":
-            return _safe_div(jnp.sum(per_class * support), jnp.sum(support))
-        # macro: the mean over the classes that occur in the labels or predictions,
-        # as sklearn does with its default `labels=None`
-        present = (support > 0) | (predicted > 0)
-        n_present = jnp.sum(present.astype(per_class.dtype))
-        return _safe_div(
-            jnp.sum(jnp.where(present, per_class, 0 * per_class)), n_present
-        )
-
-    def compute(self) -> Scores:
-        """The score: a scalar, or one per class with `average=None`. Undefined
-        ratios (no positive predictions, no positive labels, no data) are 0, as
-        sklearn's `zero_division=0`."""
-        return self._result(self._read())
+        if self.multilabel:
+            present = jnp.ones(per_class.shape, bool)
+        else:  # sklearn's labels=None: the classes seen in the labels or predictions
+            present = (tp + fp + fn) != 0
+        counted = present & ~jnp.isnan(per_class)  # NaN: zero_division=nan
+        zero = jnp.zeros_like(per_class)
+        scores = jnp.where(counted, per_class, zero)
+        n = jnp.sum(counted.astype(per_class.dtype))
+        mean = _div(jnp.sum(scores), n, zd)
+        if self.average == "macro":
+            return mean
+        support = jnp.where(counted, tp + fn, zero)
+        total = jnp.sum(support)
+        # weights all zero: sklearn falls back to the unweighted mean
+        return jnp.where(total != 0, _div(jnp.sum(scores * support), total, zd), mean)
 
 
 class Precision(_AveragedMetric):
     """Precision, `tp / (tp + fp)`: of the examples predicted as a class, the
     fraction that belong to it.
 
-    The statistic is the confusion matrix; `compute()` derives the score from it, so
-    merging and cross-device reduction are exact. Averages, as in sklearn's
+    The statistic is the confusion matrix (one 2x2 matrix per label for
+    multi-label input); `compute()` derives the score from it, so merging and
+    cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
     - `"binary"` (default; needs `num_classes=2`): the score of class `pos_label`;
     - `"micro"`: from the total true positives, false positives and false
         negatives (for single-label data all three scores equal the accuracy);
-    - `"macro"`: the unweighted mean of the per-class scores over the classes that
-        occur in the labels or the predictions (sklearn's default `labels=None`);
+    - `"macro"`: the unweighted mean of the per-class scores — over the classes
+        that occur in the labels or the predictions (sklearn's default
+        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        multi-label input;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
-    Division by zero gives 0 (sklearn's `zero_division=0`): e.g. a class that is
-    never predicted has precision 0; a fresh metric computes 0.
+    Undefined ratios (a class never predicted, no positive labels, no data) are
+    `zero_division` (0, 1 or NaN, as sklearn's `zero_division`); with NaN, macro and
+    weighted averages skip the undefined classes, as sklearn does.
 
     **Arguments:**
 
-    - `num_classes`: the number of classes (default 2).
+    - `num_classes`: the number of classes (default 2), or of labels with
+        `multilabel=True`.
     - `average`: one of the above.
     - `pos_label`: the positive class for `average="binary"`.
+    - `top_k`: from logits, a prediction is the true class when that is among the
+        `top_k` highest-ranked classes, else the top class (torchmetrics' rule; the
+        ranking of [`eqx_state.metrics.Accuracy`][]).
+    - `threshold`: binary problems given as probabilities of the positive class,
+        or multi-label probabilities: predict 1 where the probability is
+        `> threshold` (as torchmetrics).
+    - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
+        `[*batch, num_classes]`, each label its own binary problem.
+    - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32).
@@ -252,34 +390,48 @@ class Precision(_AveragedMetric):
     ```
     """
 
-    def _score(self, tp: Array, predicted: Array, support: Array) -> Array:
-        return _safe_div(tp, predicted)
+    def _score(self, tp: Array, fp: Array, fn: Array, zd: float) -> Array:
+        return _div(tp, tp + fp, zd)
 
 
 class Recall(_AveragedMetric):
     """Recall, `tp / (tp + fn)`: of the examples of a class, the fraction
     predicted as it.
 
-    The statistic is the confusion matrix; `compute()` derives the score from it, so
-    merging and cross-device reduction are exact. Averages, as in sklearn's
+    The statistic is the confusion matrix (one 2x2 matrix per label for
+    multi-label input); `compute()` derives the score from it, so merging and
+    cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
     - `"binary"` (default; needs `num_classes=2`): the score of class `pos_label`;
     - `"micro"`: from the total true positives, false positives and false
         negatives (for single-label data all three scores equal the accuracy);
-    - `"macro"`: the unweighted mean of the per-class scores over the classes that
-        occur in the labels or the predictions (sklearn's default `labels=None`);
+    - `"macro"`: the unweighted mean of the per-class scores — over the classes
+        that occur in the labels or the predictions (sklearn's default
+        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        multi-label input;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
-    Division by zero gives 0 (sklearn's `zero_division=0`): e.g. a class that is
-    never predicted has precision 0; a fresh metric computes 0.
+    Undefined ratios (a class never predicted, no positive labels, no data) are
+    `zero_division` (0, 1 or NaN, as sklearn's `zero_division`); with NaN, macro and
+    weighted averages skip the undefined classes, as sklearn does.
 
     **Arguments:**
 
-    - `num_classes`: the number of classes (default 2).
+    - `num_classes`: the number of classes (default 2), or of labels with
+        `multilabel=True`.
     - `average`: one of the above.
     - `pos_label`: the positive class for `average="binary"`.
+    - `top_k`: from logits, a prediction is the true class when that is among the
+        `top_k` highest-ranked classes, else the top class (torchmetrics' rule; the
+        ranking of [`eqx_state.metrics.Accuracy`][]).
+    - `threshold`: binary problems given as probabilities of the positive class,
+        or multi-label probabilities: predict 1 where the probability is
+        `> threshold` (as torchmetrics).
+    - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
+        `[*batch, num_classes]`, each label its own binary problem.
+    - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32).
@@ -296,35 +448,49 @@ class Recall(_AveragedMetric):
     ```
     """
 
-    def _score(self, tp: Array, predicted: Array, support: Array) -> Array:
-        return _safe_div(tp, support)
+    def _score(self, tp: Array, fp: Array, fn: Array, zd: float) -> Array:
+        return _div(tp, tp + fn, zd)
 
 
 class F1(_AveragedMetric):
     """The F1 score, `2 tp / (2 tp + fp + fn)`: the harmonic mean of precision and
-    recall (0 when both are 0). The macro average is the mean of per-class F1
-    scores, as in sklearn (not the F1 of the macro precision and recall).
+    recall. The macro average is the mean of per-class F1 scores, as in sklearn
+    (not the F1 of the macro precision and recall).
 
-    The statistic is the confusion matrix; `compute()` derives the score from it, so
-    merging and cross-device reduction are exact. Averages, as in sklearn's
+    The statistic is the confusion matrix (one 2x2 matrix per label for
+    multi-label input); `compute()` derives the score from it, so merging and
+    cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
     - `"binary"` (default; needs `num_classes=2`): the score of class `pos_label`;
     - `"micro"`: from the total true positives, false positives and false
         negatives (for single-label data all three scores equal the accuracy);
-    - `"macro"`: the unweighted mean of the per-class scores over the classes that
-        occur in the labels or the predictions (sklearn's default `labels=None`);
+    - `"macro"`: the unweighted mean of the per-class scores — over the classes
+        that occur in the labels or the predictions (sklearn's default
+        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        multi-label input;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
-    Division by zero gives 0 (sklearn's `zero_division=0`): e.g. a class that is
-    never predicted has precision 0; a fresh metric computes 0.
+    Undefined ratios (a class never predicted, no positive labels, no data) are
+    `zero_division` (0, 1 or NaN, as sklearn's `zero_division`); with NaN, macro and
+    weighted averages skip the undefined classes, as sklearn does.
 
     **Arguments:**
 
-    - `num_classes`: the number of classes (default 2).
+    - `num_classes`: the number of classes (default 2), or of labels with
+        `multilabel=True`.
     - `average`: one of the above.
     - `pos_label`: the positive class for `average="binary"`.
+    - `top_k`: from logits, a prediction is the true class when that is among the
+        `top_k` highest-ranked classes, else the top class (torchmetrics' rule; the
+        ranking of [`eqx_state.metrics.Accuracy`][]).
+    - `threshold`: binary problems given as probabilities of the positive class,
+        or multi-label probabilities: predict 1 where the probability is
+        `> threshold` (as torchmetrics).
+    - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
+        `[*batch, num_classes]`, each label its own binary problem.
+    - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32).
@@ -341,5 +507,5 @@ class F1(_AveragedMetric):
     ```
     """
 
-    def _score(self, tp: Array, predicted: Array, support: Array) -> Array:
-        return _safe_div(2 * tp, predicted + support)
+    def _score(self, tp: Array, fp: Array, fn: Array, zd: float) -> Array:
+        return _div(2 * tp, 2 * tp + fp + fn, zd)

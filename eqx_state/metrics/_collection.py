@@ -16,7 +16,9 @@ _RESERVED = ("mask",)
 
 class Metrics(eqx.Module):
     """A named collection of metrics: one `update` call updates several of them, one
-    `compute` call returns a dict.
+    `compute` call returns a dict, in the order the metrics were given (kept as a
+    static field, so it survives `eqx.partition` / `eqx.combine`, `jax.tree.map` and
+    `es.apply`, which rebuild dicts with sorted keys).
 
     The collection is an `eqx.Module` like its members, so it can live in a model
     (updated in the loss function during [`eqx_state.make_step`][]) or on its own.
@@ -45,6 +47,7 @@ class Metrics(eqx.Module):
     """
 
     metrics: dict[str, Metric | Metrics]
+    names: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(self, metrics: dict[str, Any] | None = None, /, **named: Any):
         members = dict(metrics or {})
@@ -65,15 +68,16 @@ class Metrics(eqx.Module):
                     "`Metrics`)."
                 )
         self.metrics = members
+        self.names = tuple(members)
 
     def __getitem__(self, name: str) -> Any:
         return self.metrics[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.metrics)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self.metrics)
+        return len(self.names)
 
     def update(
         self,
@@ -104,10 +108,10 @@ class Metrics(eqx.Module):
         if unknown:
             raise ValueError(
                 f"Metrics.update got values for {unknown}, which are not in this "
-                f"collection; its metrics are {list(self.metrics)}."
+                f"collection; its metrics are {list(self.names)}."
             )
-        for name, value in given.items():
-            metric = self.metrics[name]
+        for name in [n for n in self.names if n in given]:
+            value, metric = given[name], self.metrics[name]
             if isinstance(metric, Metrics):
                 if not isinstance(value, dict):
                     raise TypeError(
@@ -127,23 +131,40 @@ class Metrics(eqx.Module):
                 kwargs.setdefault("mask", mask)
             metric.update(*args, **kwargs)
 
+    def update_all(self, *args: Any, **kwargs: Any) -> None:
+        """Update every metric of the collection (nested collections included) with
+        the same arguments, `metric.update(*args, **kwargs)`, as torchmetrics'
+        `MetricCollection.update`. For a collection of classification metrics,
+        `metrics.update_all(logits, labels, mask=mask)`.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: the arguments of every member's `update`.
+        """
+        for name in self.names:
+            metric = self.metrics[name]
+            if isinstance(metric, Metrics):
+                metric.update_all(*args, **kwargs)
+            else:
+                metric.update(*args, **kwargs)
+
     def compute(self) -> dict[str, Any]:
-        """`{name: metric.compute()}` for every metric (nested collections give
-        nested dicts)."""
-        return {name: metric.compute() for name, metric in self.metrics.items()}
+        """`{name: metric.compute()}` for every metric, in the order the metrics
+        were given (nested collections give nested dicts)."""
+        return {name: self.metrics[name].compute() for name in self.names}
 
     def merge(self, other: Any) -> Metrics:
         """Merge member by member with a collection of the same names (see
         [`eqx_state.metrics.Metric.merge`][]); returns a new value-mode collection."""
-        if not isinstance(other, Metrics) or set(other.metrics) != set(self.metrics):
-            theirs = list(other.metrics) if isinstance(other, Metrics) else other
+        if not isinstance(other, Metrics) or set(other.names) != set(self.names):
+            theirs = list(other.names) if isinstance(other, Metrics) else other
             raise ValueError(
                 f"Metrics.merge: the collections hold different metrics "
-                f"({list(self.metrics)} vs {theirs}); merge collections built alike."
+                f"({list(self.names)} vs {theirs}); merge collections built alike."
             )
-        return Metrics({k: m.merge(other.metrics[k]) for k, m in self.metrics.items()})
+        return Metrics({k: self.metrics[k].merge(other.metrics[k]) for k in self.names})
 
     def reduce(self, axis_name: Hashable) -> Metrics:
         """Reduce every member over the named axis `axis_name` (see
         [`eqx_state.metrics.Metric.reduce`][]); returns a new value-mode collection."""
-        return Metrics({k: m.reduce(axis_name) for k, m in self.metrics.items()})
+        return Metrics({k: self.metrics[k].reduce(axis_name) for k in self.names})

@@ -5,22 +5,39 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import ClassVar
 
+import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Real, Shaped
+from jaxtyping import ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import Metric, RealScalar, _cell, _fill, _weights
+from ._base import (
+    Metric,
+    RealScalar,
+    _check_nan_strategy,
+    _default_init,
+    _nan_policy,
+    _weights,
+    statistic,
+)
 
 
 class _Extremum(Metric):
     value: MetricState
     count: MetricState
+    nan_strategy: str = eqx.field(static=True)
 
     _reduction: ClassVar[str] = "min"
 
-    def __init__(self, *, axis_name: Hashable | None = None, dtype=jnp.float32):
-        self.value = _cell(self._reduction, (), dtype)
-        self.count = _cell("sum", (), jnp.int32)
+    def __init__(
+        self,
+        *,
+        nan_strategy: str = "propagate",
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
+    ):
+        self.value = statistic(self._reduction, dtype=dtype)
+        self.count = statistic("sum", dtype=jnp.float32)
+        self.nan_strategy = _check_nan_strategy(type(self).__name__, nan_strategy)
         self.axis_name = axis_name
 
     def update(
@@ -39,33 +56,34 @@ class _Extremum(Metric):
         """
         dtype = self.value.dtype
         values = jnp.asarray(values).astype(dtype)
-        keep = _weights(values, mask, None, jnp.int32) != 0
-        neutral = jnp.full_like(values, _fill(self._reduction, (), dtype))
-        values = jnp.where(keep, values, neutral)
+        w = _weights(values, mask, None, jnp.float32)
+        values, w = _nan_policy(type(self).__name__, self.nan_strategy, values, w)
+        keep = w != 0
+        neutral = _default_init(self._reduction, dtype)
+        values = jnp.where(keep, values, jnp.full_like(values, neutral))
         reduce = jnp.min if self._reduction == "min" else jnp.max
-        extreme = reduce(values, initial=_fill(self._reduction, (), dtype))
-        self._accumulate((extreme, jnp.sum(keep.astype(jnp.int32))))
-
-    def _result(self, states: tuple[Array, ...]) -> Array:
-        value, count = states
-        if jnp.issubdtype(value.dtype, jnp.inexact):
-            return jnp.where(count > 0, value, jnp.nan)
-        return value
+        extreme = reduce(values, initial=neutral)
+        self.accumulate(value=extreme, count=jnp.sum(w))
 
     def compute(self) -> RealScalar:
-        """The extreme value; NaN if nothing was added (for an integer `dtype`, the
-        dtype's largest / smallest value)."""
-        return self._result(self._read())
+        """The extreme value; with no data, the identity of the reduction: +inf for
+        `Min`, -inf for `Max` (an integer `dtype`'s largest / smallest value), as
+        torchmetrics. `count` says how many values were seen."""
+        return self.value[...]
 
 
 class Min(_Extremum):
-    """The smallest value seen (NaN values propagate, as in `numpy.min`).
+    """The smallest value seen (NaN values propagate, as in `numpy.min`, unless
+    `nan_strategy` says otherwise).
 
     Statistics: the running minimum `value` (starting at +inf) and the `count` of
-    values seen. Merges and cross-device reductions take the minimum.
+    values seen (float32: exact up to 2**24, never wraps). Merges and cross-device
+    reductions take the minimum.
 
     **Arguments:**
 
+    - `nan_strategy`: `"propagate"` (default), `"ignore"` or `"error"` (see
+        [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the minimum (default float32).
@@ -82,18 +100,21 @@ class Min(_Extremum):
     ```
     """
 
-    _kinds = {"value": "min", "count": "sum"}
     _reduction = "min"
 
 
 class Max(_Extremum):
-    """The largest value seen (NaN values propagate, as in `numpy.max`).
+    """The largest value seen (NaN values propagate, as in `numpy.max`, unless
+    `nan_strategy` says otherwise).
 
     Statistics: the running maximum `value` (starting at -inf) and the `count` of
-    values seen. Merges and cross-device reductions take the maximum.
+    values seen (float32: exact up to 2**24, never wraps). Merges and cross-device
+    reductions take the maximum.
 
     **Arguments:**
 
+    - `nan_strategy`: `"propagate"` (default), `"ignore"` or `"error"` (see
+        [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the maximum (default float32).
@@ -110,5 +131,4 @@ class Max(_Extremum):
     ```
     """
 
-    _kinds = {"value": "max", "count": "sum"}
     _reduction = "max"

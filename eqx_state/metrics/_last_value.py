@@ -5,23 +5,23 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import Metric, _cell, _fit, _iota_like, _truthy
+from ._base import Metric, _fit, _iota_like, _truthy, statistic
 
 
 class LastValue(Metric):
     """The most recent value given to `update` (e.g. the loss of the last step, the
     current learning rate).
 
-    Statistics: the `value` (of the fixed `shape`) and the `count` of values seen.
-    `a.merge(b)` keeps `b`'s value if `b` has seen any, else `a`'s, so merging is
-    associative and "last" means last in the order of the data. Over a named axis,
-    the value comes from the highest axis index that has one (the last shard of the
-    global batch).
+    Statistics: the `value` (of the fixed `shape`, 0 before any data) and the
+    `count` of values seen (float32: exact up to 2**24, never wraps). `a.merge(b)`
+    keeps `b`'s value if `b` has seen any, else `a`'s (a `"custom"` merge, see
+    [`eqx_state.metrics.Metric.merge_statistics`][]), so merging is associative and
+    "last" means last in the order of the data. Over a named axis, the value comes
+    from the highest axis index that has one (the last shard of the global batch).
 
     **Arguments:**
 
@@ -47,8 +47,6 @@ class LastValue(Metric):
     count: MetricState
     shape: tuple[int, ...] = eqx.field(static=True)
 
-    _kinds = {"value": "last", "count": "sum"}
-
     def __init__(
         self,
         shape: tuple[int, ...] = (),
@@ -57,8 +55,8 @@ class LastValue(Metric):
         dtype=jnp.float32,
     ):
         self.shape = tuple(shape)
-        self.value = _cell("last", self.shape, dtype)
-        self.count = _cell("sum", (), jnp.int32)
+        self.value = statistic("custom", shape=self.shape, dtype=dtype, init=0)
+        self.count = statistic("sum", dtype=jnp.float32)
         self.axis_name = axis_name
 
     def update(
@@ -96,33 +94,23 @@ class LastValue(Metric):
             keep = keep & _fit("mask", _truthy(mask), (n,))
         index = _iota_like(keep)
         last = jnp.max(jnp.where(keep, index, -1), initial=-1)
-        count = jnp.sum(keep.astype(jnp.int32))
+        count = jnp.sum(keep.astype(jnp.float32))
         # a masked sum rather than `value[last]`: no dynamic index, so it also works
         # on a batch sharded across devices
         chosen = (index == last).reshape((n,) + (1,) * len(self.shape))
         picked = jnp.sum(jnp.where(chosen, value, jnp.zeros_like(value)), axis=0)
-        self._accumulate((picked, count))
+        self.accumulate(value=picked, count=count)
 
-    def _combine(self, a: tuple[Array, ...], b: tuple[Array, ...]) -> tuple[Array, ...]:
-        va, na = a
-        vb, nb = b
-        return jnp.where(nb > 0, vb, va), na + nb
-
-    def _reduce_states(
-        self, states: tuple[Array, ...], axis_name: Hashable
-    ) -> tuple[Array, ...]:
-        value, count = states
-        me = jax.lax.axis_index(axis_name)
-        best = jax.lax.pmax(jnp.where(count > 0, me, -1), axis_name)
-        chosen = jnp.where(me == best, value, jnp.zeros_like(value))
-        return jax.lax.psum(chosen, axis_name), jax.lax.psum(count, axis_name)
-
-    def _result(self, states: tuple[Array, ...]) -> Array:
-        value, count = states
-        if jnp.issubdtype(value.dtype, jnp.inexact):
-            return jnp.where(count > 0, value, jnp.nan)
-        return value
+    def merge_statistics(
+        self, a: dict[str, Array], b: dict[str, Array]
+    ) -> dict[str, Array]:
+        """`b`'s value if `b` has seen any, else `a`'s; the counts add."""
+        later = b["count"] > 0
+        return {
+            "value": jnp.where(later, b["value"], a["value"]),
+            "count": a["count"] + b["count"],
+        }
 
     def compute(self) -> Real[Array, "..."]:
-        """The last value recorded; NaN (for float dtypes) if none was."""
-        return self._result(self._read())
+        """The last value recorded; 0 if none was (`count` tells)."""
+        return self.value[...]

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Real, Shaped
+from jaxtyping import ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import FloatScalar, Metric, RealScalar, _cell, _safe_div, _weights
+from ._base import (
+    FloatScalar,
+    Metric,
+    RealScalar,
+    _check_nan_strategy,
+    _div,
+    _nan_policy,
+    _weights,
+    statistic,
+)
 
 
 class Mean(Metric):
-    """The (weighted) mean of every value it is given: `sum(w * x) / sum(w)`.
+    """The (weighted) mean of every value it is given: `sum(w * x) / sum(w)`, as
+    `numpy.average`.
 
-    Statistics: the weighted `total` and the total `weight`, both
-    [`eqx_state.MetricState`][] cells. A typical use is the mean loss over the steps
-    of an epoch (`update(loss)` with a scalar loss) or the mean per-example loss over
-    an evaluation set (`update(losses, mask=mask)` with padded batches).
+    Statistics: the weighted `total` and the total `weight`. A typical use is the
+    mean loss over the steps of an epoch (`update(loss)` with a scalar loss) or the
+    mean per-example loss over an evaluation set (`update(losses, mask=mask)` with
+    padded batches).
 
     **Arguments:**
 
+    - `nan_strategy`: what a NaN among the (unmasked) values or sample
+        weights does: `"propagate"` (default: the result becomes NaN, as numpy),
+        `"ignore"` (the entry is skipped, as if masked; torchmetrics' `"ignore"`) or
+        `"error"` (the update raises, through `eqx.error_if`; see
+        [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the statistics (default float32: counts are exact up to
@@ -41,12 +57,18 @@ class Mean(Metric):
 
     total: MetricState
     weight: MetricState
+    nan_strategy: str = eqx.field(static=True)
 
-    _kinds = {"total": "sum", "weight": "sum"}
-
-    def __init__(self, *, axis_name: Hashable | None = None, dtype=jnp.float32):
-        self.total = _cell("sum", (), dtype)
-        self.weight = _cell("sum", (), dtype)
+    def __init__(
+        self,
+        *,
+        nan_strategy: str = "propagate",
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
+    ):
+        self.total = statistic("sum", dtype=dtype)
+        self.weight = statistic("sum", dtype=dtype)
+        self.nan_strategy = _check_nan_strategy("Mean", nan_strategy)
         self.axis_name = axis_name
 
     def update(
@@ -63,22 +85,22 @@ class Mean(Metric):
         - `values`: the values, e.g. a scalar loss or per-example losses.
         - `sample_weight`: a weight per value; a scalar, an array of the values'
             shape, or of a prefix of it (broadcast over the trailing axes).
+            Negative weights are allowed (as `numpy.average`).
         - `mask`: which values count (shape as for `sample_weight`); masked-out
             values contribute nothing, even if they are NaN.
         """
-        values = jnp.asarray(values).astype(self.total.dtype)
-        w = _weights(values, mask, sample_weight, self.total.dtype)
+        dtype = self.total.dtype
+        values = jnp.asarray(values).astype(dtype)
+        w = _weights(values, mask, sample_weight, dtype)
+        values, w = _nan_policy("Mean", self.nan_strategy, values, w)
         total = jnp.sum(jnp.where(w != 0, values * w, jnp.zeros_like(values)))
-        self._accumulate((total, jnp.sum(w)))
-
-    def _result(self, states: tuple[Array, ...]) -> FloatScalar:
-        total, weight = states
-        return jnp.where(weight != 0, _safe_div(total, weight), jnp.nan)
+        self.accumulate(total=total, weight=jnp.sum(w))
 
     def compute(self) -> FloatScalar:
-        """The weighted mean; NaN if nothing (or only zero weight) was added, like
-        `numpy.mean` of an empty array."""
-        return self._result(self._read())
+        """The weighted mean, `total / weight` (negative total weights included);
+        0 if nothing (or only a total weight of 0) was added — `weight` tells the
+        two apart."""
+        return _div(self.total[...], self.weight[...])
 
 
 class Sum(Metric):
@@ -86,6 +108,11 @@ class Sum(Metric):
 
     **Arguments:**
 
+    - `nan_strategy`: what a NaN among the (unmasked) values or sample
+        weights does: `"propagate"` (default: the result becomes NaN, as numpy),
+        `"ignore"` (the entry is skipped, as if masked; torchmetrics' `"ignore"`) or
+        `"error"` (the update raises, through `eqx.error_if`; see
+        [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the sum (default float32).
@@ -104,11 +131,17 @@ class Sum(Metric):
     """
 
     total: MetricState
+    nan_strategy: str = eqx.field(static=True)
 
-    _kinds = {"total": "sum"}
-
-    def __init__(self, *, axis_name: Hashable | None = None, dtype=jnp.float32):
-        self.total = _cell("sum", (), dtype)
+    def __init__(
+        self,
+        *,
+        nan_strategy: str = "propagate",
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
+    ):
+        self.total = statistic("sum", dtype=dtype)
+        self.nan_strategy = _check_nan_strategy("Sum", nan_strategy)
         self.axis_name = axis_name
 
     def update(
@@ -127,15 +160,14 @@ class Sum(Metric):
             of it).
         - `mask`: which values count; masked-out values contribute nothing.
         """
-        values = jnp.asarray(values).astype(self.total.dtype)
-        w = _weights(values, mask, sample_weight, self.total.dtype)
-        self._accumulate(
-            (jnp.sum(jnp.where(w != 0, values * w, jnp.zeros_like(values))),)
+        dtype = self.total.dtype
+        values = jnp.asarray(values).astype(dtype)
+        w = _weights(values, mask, sample_weight, dtype)
+        values, w = _nan_policy("Sum", self.nan_strategy, values, w)
+        self.accumulate(
+            total=jnp.sum(jnp.where(w != 0, values * w, jnp.zeros_like(values)))
         )
-
-    def _result(self, states: tuple[Array, ...]) -> Array:
-        return states[0]
 
     def compute(self) -> RealScalar:
         """The sum; 0 if nothing was added."""
-        return self._result(self._read())
+        return self.total[...]

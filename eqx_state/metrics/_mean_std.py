@@ -6,34 +6,48 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import FloatScalar, Metric, _cell, _safe_div, _weights
+from ._base import (
+    FloatScalar,
+    Metric,
+    _check_nan_strategy,
+    _div,
+    _nan_policy,
+    _weights,
+    statistic,
+)
 
 
 class MeanStd(Metric):
     """The mean and standard deviation of every value it is given.
 
     Statistics: the total weight `count`, the `mean` and `m2`, the weighted sum of
-    squared deviations from the mean. Each batch's moments are computed around the
-    batch mean (two passes over the batch, numerically stable) and merged into the
-    state with the parallel formula of Chan, Golub and LeVeque:
+    squared deviations from the mean (declared `merge="custom"`: they merge
+    together). Each batch's moments are computed around the batch mean (two passes
+    over the batch, numerically stable) and merged into the state with the parallel
+    formula of Chan, Golub and LeVeque:
 
     `n = na + nb`, `d = mb - ma`, `mean = ma + d * nb / n`,
     `m2 = m2a + m2b + d**2 * na * nb / n`,
 
     which is exact and associative, so batches, merges and devices can be combined in
     any grouping. Sample weights act as frequency weights (a weight of 2 counts a
-    value twice).
+    value twice), so they must not be negative (as `numpy.cov`'s `fweights`): a
+    negative weight raises, through `eqx.error_if`.
 
     **Arguments:**
 
     - `ddof`: the "delta degrees of freedom" of the standard deviation:
         `std = sqrt(m2 / (count - ddof))`. `0` (default) is the population standard
         deviation (`numpy.std`), `1` the sample one (`numpy.std(..., ddof=1)`).
+    - `nan_strategy`: what a NaN among the (unmasked) values or sample
+        weights does: `"propagate"` (default: the result becomes NaN, as numpy),
+        `"ignore"` (the entry is skipped, as if masked; torchmetrics' `"ignore"`) or
+        `"error"` (the update raises, through `eqx.error_if`; see
+        [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the statistics (default float32).
@@ -56,18 +70,23 @@ class MeanStd(Metric):
     mean: MetricState
     m2: MetricState
     ddof: int = eqx.field(static=True)
-
-    _kinds = {"count": "sum", "mean": "sum", "m2": "sum"}
+    nan_strategy: str = eqx.field(static=True)
 
     def __init__(
-        self, *, ddof: int = 0, axis_name: Hashable | None = None, dtype=jnp.float32
+        self,
+        *,
+        ddof: int = 0,
+        nan_strategy: str = "propagate",
+        axis_name: Hashable | None = None,
+        dtype=jnp.float32,
     ):
         if ddof < 0:
             raise ValueError(f"MeanStd: ddof must be >= 0, got {ddof}.")
-        self.count = _cell("sum", (), dtype)
-        self.mean = _cell("sum", (), dtype)
-        self.m2 = _cell("sum", (), dtype)
+        self.count = statistic("custom", dtype=dtype, init=0)
+        self.mean = statistic("custom", dtype=dtype, init=0)
+        self.m2 = statistic("custom", dtype=dtype, init=0)
         self.ddof = ddof
+        self.nan_strategy = _check_nan_strategy("MeanStd", nan_strategy)
         self.axis_name = axis_name
 
     def update(
@@ -82,48 +101,47 @@ class MeanStd(Metric):
         **Arguments:**
 
         - `values`: the values.
-        - `sample_weight`: frequency weights (scalar, the values' shape or a prefix
-            of it).
+        - `sample_weight`: frequency weights, >= 0 (scalar, the values' shape or a
+            prefix of it).
         - `mask`: which values count; masked-out values contribute nothing, even if
             they are NaN.
         """
         dtype = self.count.dtype
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
+        if sample_weight is not None:
+            w = eqx.error_if(
+                w,
+                jnp.any(w < 0),
+                "MeanStd.update got a negative sample weight. MeanStd's weights are "
+                "frequency weights (a weight of 2 counts a value twice), which "
+                "cannot be negative (as numpy.cov's fweights). For a weighted mean "
+                "with signed weights use Mean.",
+            )
+        values, w = _nan_policy("MeanStd", self.nan_strategy, values, w)
         zero = jnp.zeros_like(values)
         n = jnp.sum(w)
-        mean = _safe_div(jnp.sum(jnp.where(w != 0, values * w, zero)), n)
+        mean = _div(jnp.sum(jnp.where(w != 0, values * w, zero)), n)
         dev = jnp.where(w != 0, values - mean, zero)
         m2 = jnp.sum(w * dev * dev)
-        self._accumulate((n, mean, m2))
+        self.accumulate(count=n, mean=mean, m2=m2)
 
-    def _combine(self, a: tuple[Array, ...], b: tuple[Array, ...]) -> tuple[Array, ...]:
-        na, ma, m2a = a
-        nb, mb, m2b = b
+    def merge_statistics(
+        self, a: dict[str, Array], b: dict[str, Array]
+    ) -> dict[str, Array]:
+        """Chan et al.'s parallel formula (see the class)."""
+        na, nb = a["count"], b["count"]
         n = na + nb
-        delta = mb - ma
-        mean = ma + delta * _safe_div(nb, n)
-        m2 = m2a + m2b + delta * delta * _safe_div(na * nb, n)
-        return n, mean, m2
-
-    def _reduce_states(
-        self, states: tuple[Array, ...], axis_name: Hashable
-    ) -> tuple[Array, ...]:
-        n, mean, m2 = states
-        n_all = jax.lax.psum(n, axis_name)
-        mean_all = _safe_div(jax.lax.psum(n * mean, axis_name), n_all)
-        delta = mean - mean_all
-        m2_all = jax.lax.psum(m2 + n * delta * delta, axis_name)
-        return n_all, mean_all, m2_all
-
-    def _result(self, states: tuple[Array, ...]) -> tuple[FloatScalar, FloatScalar]:
-        n, mean, m2 = states
-        dof = n - self.ddof
-        mean = jnp.where(n > 0, mean, jnp.nan)
-        var = jnp.where(dof > 0, _safe_div(m2, dof), jnp.nan)
-        return mean, jnp.sqrt(var)
+        delta = b["mean"] - a["mean"]
+        mean = a["mean"] + delta * _div(nb, n)
+        m2 = a["m2"] + b["m2"] + delta * delta * _div(na * nb, n)
+        return {"count": n, "mean": mean, "m2": m2}
 
     def compute(self) -> tuple[FloatScalar, FloatScalar]:
-        """`(mean, std)`. The mean is NaN with no data; the standard deviation is NaN
-        while `count <= ddof` (as `numpy.std` without its warning)."""
-        return self._result(self._read())
+        """`(mean, std)`. With no data the mean is 0; while `count <= ddof` the
+        standard deviation is 0 (numpy gives NaN and a warning): read `count` to
+        tell these apart."""
+        n = self.count[...]
+        dof = n - self.ddof
+        var = jnp.where(dof > 0, _div(self.m2[...], dof), jnp.zeros_like(n))
+        return self.mean[...], jnp.sqrt(var)

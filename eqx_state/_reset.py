@@ -1,0 +1,99 @@
+"""`reset`: set chosen state cells of a model back to their initial value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._buffer import Buffer, MetricState, is_state
+
+
+_T = TypeVar("_T")
+Which = type | tuple[type, ...] | Callable[[Any], bool]
+
+
+def _selector(which: Which) -> Callable[[Buffer], bool]:
+    kinds = which if isinstance(which, tuple) else (which,)
+    if all(isinstance(k, type) for k in kinds):
+        bad = [k for k in kinds if not issubclass(k, Buffer)]  # pyright: ignore
+        if bad or not kinds:
+            raise TypeError(
+                f"reset: `which` must be a cell kind (a subclass of eqx_state.Buffer, "
+                "e.g. eqx_state.BatchStat), a tuple of kinds, or a predicate on "
+                f"cells; got {which!r}."
+            )
+        return lambda cell: isinstance(cell, kinds)  # pyright: ignore
+    if isinstance(which, tuple) or not callable(which):
+        raise TypeError(
+            "reset: `which` must be a cell kind (a subclass of eqx_state.Buffer), a "
+            f"tuple of kinds, or a predicate on cells; got {which!r}."
+        )
+    return lambda cell: bool(which(cell))
+
+
+def reset(model: _T, which: Which = MetricState) -> _T:
+    """Set the state cells of `model` selected by `which` back to their initial
+    value, `cell.init` (a Python scalar fill, broadcast to the cell's shape and cast
+    to its dtype). By default every metric starts over ([`eqx_state.MetricState`][]
+    cells: sums and counts 0, minima +inf, ...); other state and parameters are left
+    alone.
+
+    * Ref mode ([`eqx_state.to_refs`][]), or inside a step / `es.apply` (where the
+      cells hold refs): the cells are written in place and the same model is
+      returned, so `model = reset(model)` works in both modes.
+    * Value mode: returns a new model with fresh arrays in the selected cells
+      (eagerly, or under `jit`); `model` itself is unchanged.
+
+    Every position is reset on its own: two cells holding one array are two
+    values. Selecting a cell that has no initial value (`init=None`) raises a
+    `ValueError` naming the cell's path.
+
+    **Arguments:**
+
+    - `model`: any pytree holding state cells (a model, a metric, a collection).
+    - `which`: the cells to reset: a kind (`eqx_state.BatchStat`), a tuple of kinds,
+        or a predicate `cell -> bool`. Default: [`eqx_state.MetricState`][].
+
+    **Returns:**
+
+    The model with the selected cells at their initial values.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    mean = es.to_refs(es.metrics.Mean())
+    mean.update(jnp.array([1.0, 2.0]))
+    mean = es.reset(mean)
+    mean.update(jnp.array([5.0]))
+    assert float(mean.compute()) == 5.0
+    ```
+    """
+    select = _selector(which)
+    replaced = []
+
+    def one(path: Any, x: Any) -> Any:
+        if not isinstance(x, Buffer) or x.value is None or not select(x):
+            return x
+        if x.init is None:
+            raise ValueError(
+                f"reset: the {type(x).__name__} cell at `model{jax.tree_util.keystr(path)}` "
+                "has no initial value to go back to (its `init` is None). Narrow "
+                "`which` to the kinds you mean (e.g. `which=eqx_state.MetricState`), "
+                "or give the cell one when it is built, `Buffer(value, init=0.0)`."
+            )
+        fill = jnp.full(x.shape, x.init, x.dtype)
+        if isinstance(x.value, jax.Array):  # value mode: a fresh array
+            replaced.append(path)
+            return eqx.tree_at(lambda b: b.value, x, fill)
+        x[...] = fill  # a ref (ref mode, or inside a step): written in place
+        return x
+
+    new = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_state)
+    return new if replaced else model  # all written in place: the same model

@@ -1,0 +1,220 @@
+"""`es.reset(model, which)`: each selected cell back to its `init` fill, every other
+cell and parameter untouched; by kind, tuple of kinds or predicate; both storage
+modes, inside `es.apply` / `make_step`, under `eqx.filter_jit` and `vmap`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+from eqx_state import metrics as esm
+
+
+class Everything(eqx.Module):
+    """One cell of each kind, each away from its initial value."""
+
+    w: jax.Array
+    stat: es.BatchStat
+    count: es.CounterState
+    avg: es.AverageState
+    power: es.PowerIterationState
+    cache: es.Cache
+    no_init: es.Cache
+    low: esm.Min
+    mean: esm.Mean
+
+    def __init__(self):
+        self.w = jnp.full((2,), 7.0)
+        self.stat = es.BatchStat(jnp.full((2, 3), 5.0, jnp.float16), init=1.0)
+        self.count = es.CounterState(jnp.array(4, jnp.int32), init=0)
+        self.avg = es.AverageState(jnp.array([3.0, 4.0]), init=0.0)
+        self.power = es.PowerIterationState(jnp.array([0.5, 0.5]), init=1.0)
+        self.cache = es.Cache(jnp.ones((2,), jnp.bfloat16) * 9, init=0.0)
+        self.no_init = es.Cache(jnp.array([2.0, 2.0]))  # nothing to go back to
+        self.low = esm.Min()
+        self.mean = esm.Mean()
+
+    def write(self):
+        self.low.update(jnp.array([3.0, -2.0]))
+        self.mean.update(jnp.array([1.0, 2.0]))
+
+
+def _numpy_state(model):
+    """Every cell's value (numpy, float64) and the parameter, by name."""
+    m = es.freeze(model)
+    return {
+        "w": np.asarray(m.w, np.float64),
+        "stat": np.asarray(m.stat.value, np.float64),
+        "count": np.asarray(m.count.value),
+        "avg": np.asarray(m.avg.value),
+        "power": np.asarray(m.power.value),
+        "cache": np.asarray(m.cache.value, np.float64),
+        "no_init": np.asarray(m.no_init.value),
+        "low": np.asarray(m.low.value.value),
+        "low_count": np.asarray(m.low.count.value),
+        "mean_total": np.asarray(m.mean.total.value),
+        "mean_weight": np.asarray(m.mean.weight.value),
+    }
+
+
+def _written():
+    model = Everything()
+    _, model = es.apply(lambda m: m.write(), model)
+    return model
+
+
+# what each group of names is reset to (float64 numpy, written by hand)
+INIT = {
+    "stat": np.ones((2, 3)),
+    "count": np.array(0),
+    "avg": np.zeros(2),
+    "power": np.ones(2),
+    "cache": np.zeros(2),
+    "low": np.array(np.inf),
+    "low_count": np.array(0.0),
+    "mean_total": np.array(0.0),
+    "mean_weight": np.array(0.0),
+}
+METRIC_NAMES = {"low", "low_count", "mean_total", "mean_weight"}
+
+
+def _check(before, after, reset_names):
+    for name, old in before.items():
+        want = INIT[name] if name in reset_names else old
+        np.testing.assert_array_equal(after[name], want, err_msg=name)
+
+
+def _reset(model, mode, which):
+    """Reset in one of the ways a user can; returns the resulting model."""
+    kwargs = {} if which is None else {"which": which}
+    if mode == "value":
+        return es.reset(model, **kwargs)
+    if mode == "ref":
+        ref = es.to_refs(model)
+        out = es.reset(ref, **kwargs)
+        assert out is ref  # written in place: the same model comes back
+        return ref
+    if mode == "apply":  # inside a step: cells hold refs made in the trace
+
+        def fn(m):
+            assert es.reset(m, **kwargs) is m  # written in place
+
+        return es.apply(fn, model)[1]
+    if mode == "filter_jit":
+        return eqx.filter_jit(lambda m: es.reset(m, **kwargs))(model)
+    if mode == "ref_filter_jit":
+        ref = es.to_refs(model)
+        eqx.filter_jit(lambda m: es.reset(m, **kwargs))(ref)
+        return ref
+    raise AssertionError(mode)
+
+
+MODES = ["value", "ref", "apply", "filter_jit", "ref_filter_jit"]
+SELECTIONS = [
+    (None, METRIC_NAMES),  # the default: metrics only
+    (es.MetricState, METRIC_NAMES),
+    (es.BatchStat, {"stat"}),
+    (es.AverageState, {"avg"}),
+    (es.CounterState, {"count"}),
+    ((es.BatchStat, es.PowerIterationState), {"stat", "power"}),
+    (lambda c: isinstance(c, es.Cache) and c.init is not None, {"cache"}),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "which,names", SELECTIONS, ids=lambda s: getattr(s, "__name__", str(s))
+)
+def test_reset_selects_exactly_the_chosen_cells(mode, which, names):
+    model = _written()
+    before = _numpy_state(model)
+    assert before["low"] == -2.0 and before["count"] == 4  # away from init
+    after = _reset(model, mode, which)
+    _check(before, _numpy_state(after), names)
+    if mode in ("value", "filter_jit"):
+        _check(before, _numpy_state(model), set())  # the input is unchanged
+    # dtypes and shapes are kept
+    frozen = es.freeze(after)
+    assert frozen.stat.value.dtype == jnp.float16 and frozen.stat.shape == (2, 3)
+    assert frozen.cache.value.dtype == jnp.bfloat16
+    assert frozen.count.value.dtype == jnp.int32
+
+
+def test_reset_metrics_then_update_counts_from_scratch():
+    for mode in ("value", "ref"):
+        model = _written()
+        model = _reset(model, mode, None)
+        if mode == "ref":
+            model.write()
+        else:
+            _, model = es.apply(lambda m: m.write(), model)
+        assert float(model.low.compute()) == -2.0  # restarted at +inf, not 0
+        assert float(model.mean.compute()) == 1.5
+
+
+def test_reset_inside_make_step_and_with_kind_filter():
+    class Model(eqx.Module):
+        w: jax.Array
+        seen: esm.Sum
+        stat: es.BatchStat
+
+    def loss_fn(model, x):
+        es.reset(model)  # the metric records this step only
+        model.seen.update(x)
+        model.stat[...] = model.stat[...] + 1.0  # BatchStat: untouched by reset
+        return jnp.sum(model.w * x)
+
+    for ref_mode in (False, True):
+        model = Model(jnp.ones(3), esm.Sum(), es.BatchStat(jnp.zeros(()), init=0.0))
+        if ref_mode:
+            model = es.to_refs(model)
+        step = es.make_step(loss_fn, optax.sgd(0.1))
+        opt_state = step.init(model)
+        for i in range(3):
+            model, opt_state = step(model, opt_state, jnp.full(3, float(i)))
+            assert float(model.seen.compute()) == 3.0 * i
+            assert float(model.stat[...]) == i + 1.0
+        assert step.trace_count == 1
+
+
+def test_every_position_is_its_own_value():
+    class Two(eqx.Module):
+        a: es.BatchStat
+        b: es.BatchStat
+
+    arr = jnp.array([3.0, 4.0])
+    model = Two(es.BatchStat(arr, init=0.0), es.BatchStat(arr, init=1.0))
+    out = es.reset(model, es.BatchStat)
+    np.testing.assert_array_equal(out.a.value, [0.0, 0.0])
+    np.testing.assert_array_equal(out.b.value, [1.0, 1.0])
+    assert out.a.value is not out.b.value
+
+
+def test_reset_under_vmap_of_an_ensemble():
+    ens = eqx.filter_vmap(lambda _: _written())(jnp.arange(3))
+    out = eqx.filter_vmap(lambda m: es.reset(m, es.BatchStat))(ens)
+    np.testing.assert_array_equal(out.stat.value, np.ones((3, 2, 3)))
+    np.testing.assert_array_equal(out.avg.value, np.asarray(ens.avg.value))
+
+
+def test_no_init_raises_naming_the_path():
+    model = _written()
+    with pytest.raises(ValueError, match=r"Cache cell at `model\.no_init`.*init"):
+        es.reset(model, es.Cache)
+    ref = es.to_refs(model)
+    with pytest.raises(ValueError, match="no_init"):
+        es.reset(ref, lambda c: True)
+
+
+def test_bad_which_is_refused():
+    for bad in (int, (es.BatchStat, str), "BatchStat", ()):
+        with pytest.raises(TypeError, match="which"):
+            es.reset(_written(), bad)
+
+
+def test_one_reset_function():
+    assert es.metrics.reset is es.reset
+    assert not hasattr(es.metrics.Metric, "_reset")
