@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MetricState
+from .._buffer import MetricState, is_state
 
 
 # Return annotations (aliases keep jaxtyping's shape strings out of signatures, which
@@ -609,10 +609,16 @@ class Metric(eqx.Module):
                 f"{type(self).__name__}.{what}: cannot combine with a "
                 f"{type(other).__name__}; both must be the same kind of metric."
             )
-        mine = jax.tree_util.tree_structure(self)
-        theirs = jax.tree_util.tree_structure(other)
-        shapes = [c.shape for c in self._statistic_cells().values()]
-        other_shapes = [c.shape for c in other._statistic_cells().values()]
+        # cells as leaves: a ref-mode cell (with its shape witness) and a value-mode
+        # one of the same shape merge alike
+        mine = jax.tree_util.tree_structure(self, is_leaf=is_state)
+        theirs = jax.tree_util.tree_structure(other, is_leaf=is_state)
+        shapes = [
+            (type(c), c.shape, c.dtype) for c in self._statistic_cells().values()
+        ]
+        other_shapes = [
+            (type(c), c.shape, c.dtype) for c in other._statistic_cells().values()
+        ]
         if mine != theirs or shapes != other_shapes:
             raise ValueError(
                 f"{type(self).__name__}.{what}: the two metrics are configured "

@@ -14,6 +14,7 @@ class when that is in the top `k`, else its top class (torchmetrics' rule for
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
@@ -104,7 +105,8 @@ def _rank_of_label(logits: Array, labels: Array) -> Array:
     s_nan, t_nan = jnp.isnan(logits), jnp.isnan(true)
     above = (logits > true) | (s_nan & ~t_nan)
     tied = (logits == true) | (s_nan & t_nan)
-    index = jnp.arange(num_classes, dtype=jnp.int32)
+    del num_classes
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     before = above | (tied & (index < labels[..., None]))
     return jnp.sum(before.astype(jnp.int32), axis=-1)
 
