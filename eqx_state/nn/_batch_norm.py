@@ -288,7 +288,8 @@ class BatchNorm(eqx.Module):
                     "`eqx.nn.inference_mode(model)`."
                 )
             if not self.inference and self.track_running_stats:
-                self._update(mean, var, n, counted=None if m is None else n > 0)
+                counted = None if m is None else jnp.asarray(n) > 0
+                self._update(mean, var, n, counted=counted)
         else:
             mean, var = self._running_stats(cdtype)
         y = (xc - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.eps)

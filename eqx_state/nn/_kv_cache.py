@@ -255,7 +255,7 @@ class KVCache(eqx.Module):
             "cursor (positions past the cursor hold nothing to keep)."
         )
         if isinstance(bad, jax_core.Tracer) or isinstance(cursor, jax_core.Tracer):
-            length = eqx.error_if(length, bad, msg)
+            length = jnp.asarray(eqx.error_if(length, bad, msg))
         elif bool(jnp.any(bad)):
             raise StateWriteError(
                 f"{msg} Got length {length.tolist()} for cursor {cursor.tolist()}."
