@@ -32,7 +32,9 @@ class CausalSelfAttention(eqx.Module):
     kept inside the layer.
 
     On a sequence `x` of shape `[seq, embed_dim]` (one example, Equinox's
-    convention; `jax.vmap` it over a batch) it computes
+    convention; `jax.vmap` it over a batch, with one cache per sequence:
+    [`eqx_state.nn.with_kv_cache`][]`(..., batch_size=B)` and
+    `in_axes=(es.nn.kv_cache_axes(model), 0)`) it computes
     `softmax(q k^T / sqrt(head_dim) + causal mask) v` per head, with `q, k, v` and
     the output from `eqx.nn.Linear` projections named as in
     `eqx.nn.MultiheadAttention` (`query_proj`, `key_proj`, `value_proj`,

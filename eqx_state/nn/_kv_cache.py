@@ -55,8 +55,9 @@ class KVCache(eqx.Module):
     batch_size=B)`) and map the per-sequence model with
     `jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`: every sequence
     has its own cursor, so prompts of different lengths can be prefilled
-    together, padded to one length, and each cursor then set to its prompt's
-    length with [`eqx_state.nn.truncate_kv_cache`][].
+    together, padded to one length (which must fit in `max_len`), and each
+    cursor then set to its prompt's length with
+    [`eqx_state.nn.truncate_kv_cache`][].
 
     **Overflow.** Writing past `max_len` is an error, never a silent clamp:
 
