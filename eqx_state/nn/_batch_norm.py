@@ -83,7 +83,7 @@ class BatchNorm(eqx.Module):
 
     bn = es.nn.BatchNorm(3)
     y, bn = es.apply(lambda m, x: m(x), bn, jnp.arange(12.0).reshape(4, 3))
-    print(bn.running_mean[...])  # [0.45 0.55 0.65]
+    print(bn.running_mean[...].round(4))  # [0.45 0.55 0.65]
     ```
     """
 

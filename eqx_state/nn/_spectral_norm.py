@@ -97,7 +97,8 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     k1, k2 = jax.random.split(jax.random.key(0))
     sn = es.nn.SpectralNorm(eqx.nn.Linear(3, 4, key=k1), key=k2)
     y, sn = es.apply(lambda m, x: m(x), sn, jnp.ones((8, 3)))  # one iteration
-    print(y.shape, sn.sigma)  # (8, 4) and the estimated largest singular value
+    print(y.shape)  # (8, 4)
+    sigma = sn.sigma  # the estimated largest singular value of the weight
     ```
     """
 
