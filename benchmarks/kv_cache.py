@@ -445,6 +445,10 @@ class EsValueScan(EsValueJit):
         return lowered.compile().memory_analysis()
 
 
+def _is_kv_cache(x):
+    return isinstance(x, es.nn.KVCache)
+
+
 _ref_call = eqx.filter_jit(lambda fn, model, *args: fn(model, *args))
 
 
@@ -459,8 +463,11 @@ class EsRef(Variant):
         self.model = es.to_refs(cached)
 
     def reset(self):
-        # Cursor to 0; the old entries are masked out. Eager: a write into the ref.
-        es.nn.reset_kv_cache(self.model)
+        # Zeros and cursor 0 (what es.reset(model, es.Cache) writes). Eager: writes
+        # into the refs.
+        for leaf in jax.tree.leaves(self.model, is_leaf=_is_kv_cache):
+            if _is_kv_cache(leaf):
+                leaf.reset()
 
     def prefill(self, prompt):
         return _ref_call(_es_prefill, self.model, prompt)

@@ -11,7 +11,7 @@ import eqx_state as es
 
 
 def _torch_bn(shape, **kw):
-    cls = torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d
+    cls = torch.nn.BatchNorm1d if len(shape) in (2, 3) else torch.nn.BatchNorm2d
     return cls(shape[1], **kw)
 
 
@@ -143,3 +143,444 @@ def test_integer_input_fails_at_the_call():
     bn = es.to_refs(es.nn.BatchNorm(3))
     with pytest.raises(Exception, match=r"(?s)Type-check error.*BatchNorm"):
         bn(jnp.ones((4, 3), jnp.int32))
+
+
+# --- per-example (axis_name) statistics: two passes, exact far from zero ----------
+
+
+def _per_example(mode, bn, x, mask=None):
+    """`bn` per example under `es.vmap(axis_name="batch")`, writing state."""
+    if mask is None:
+        fn = lambda m, x: es.vmap(m, axis_name="batch")(x)  # noqa: E731
+        args = (x,)
+    else:
+        fn = lambda m, x, k: es.vmap(  # noqa: E731
+            lambda m, x, k: m(x, mask=k), in_axes=(None, 0, 0), axis_name="batch"
+        )(m, x, k)
+        args = (x, mask)
+    if mode == "ref":
+        return fn(bn, *args), bn
+    return es.apply(fn, bn, *args)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("offset", [255.0, 1e3, 1e4])
+def test_axis_name_variance_is_exact_far_from_zero(mode, offset):
+    """E[x^2] - E[x]^2 cancels in float32 at these offsets (27 % off at 1e3); the
+    two-pass variance equals float64 NumPy and torch to float32 round-off of the
+    data (Flax's BatchNorm test adds 1e4 for this reason)."""
+    rng = np.random.default_rng(0)
+    bn = es.nn.BatchNorm(4, channel_axis=0, axis_name="batch")
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    tbn = torch.nn.BatchNorm1d(4)
+    # round-off of the mean of float32 data at this offset, then a little slack
+    tol = 4 * offset * np.finfo(np.float32).eps + 1e-5
+    for step in range(2):
+        x = (rng.normal(size=(32, 4)) * (step + 1) + offset).astype(np.float32)
+        y, bn = _per_example(mode, bn, jnp.asarray(x))
+        x64 = x.astype(np.float64)
+        want = (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5)
+        np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=tol)
+        ty = tbn(torch.from_numpy(x)).detach().numpy()
+        np.testing.assert_allclose(np.asarray(y), ty, rtol=0, atol=2 * tol)
+        # the running variance is the (unbiased) batch variance, not ~0.9 + noise
+        np.testing.assert_allclose(
+            bn.running_var[...], tbn.running_var.numpy(), rtol=1e-4
+        )
+        np.testing.assert_allclose(
+            bn.running_mean[...], tbn.running_mean.numpy(), rtol=1e-6
+        )
+    assert np.std(np.asarray(y), axis=0) == pytest.approx(np.ones(4), rel=1e-3)
+
+
+def test_axis_name_with_spatial_axes_matches_whole_batch_and_torch():
+    """Per example `[C, H, W]` under es.vmap equals BatchNorm2d on `[N, C, H, W]`."""
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(6, 3, 4, 4)) * 2 + 1e3).astype(np.float32)
+    per_ex = es.nn.BatchNorm(3, channel_axis=0, axis_name="batch")
+    y, per_ex = _per_example("value", per_ex, jnp.asarray(x))
+    tbn = torch.nn.BatchNorm2d(3)
+    ty = tbn(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(np.asarray(y), ty, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(per_ex.running_var[...], tbn.running_var, rtol=1e-4)
+
+
+def test_axis_name_under_shard_map_on_one_device_is_exact():
+    """The `jax.shard_map` path (a per-device call) uses the same two passes."""
+    mesh = jax.make_mesh((1,), ("d",))
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(16, 3)) + 1e4).astype(np.float32)
+    bn = es.nn.BatchNorm(3, channel_axis=1, axis_name="d")
+    arrays, static = eqx.partition(bn, eqx.is_array)
+
+    @jax.jit
+    def run(arrays, x):
+        def per_device(arrays, x):
+            m = eqx.combine(arrays, static)
+            y, m = es.apply(lambda m, x: m(x), m, x)
+            return y, eqx.filter(m, eqx.is_array)
+
+        spec = jax.sharding.PartitionSpec
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(spec(), spec("d")),
+            out_specs=(spec("d"), spec()),
+        )(arrays, x)
+
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    y, arrays = run(arrays, jax.device_put(jnp.asarray(x), sharded))
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(0)) / np.sqrt(x64.var(0) + 1e-5)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=5e-3)
+    bn = eqx.combine(arrays, static)
+    np.testing.assert_allclose(
+        bn.running_var[...], 0.9 + 0.1 * x64.var(0, ddof=1), rtol=1e-4
+    )
+
+
+# --- complex input: refused, as PyTorch ---------------------------------------------
+
+
+def test_complex_input_is_refused_like_torch():
+    x = jnp.ones((4, 3), jnp.complex64)
+    with pytest.raises(RuntimeError):  # PyTorch refuses complex input too
+        torch.nn.BatchNorm1d(3)(torch.ones(4, 3, dtype=torch.complex64))
+    for bn in (es.nn.BatchNorm(3), eqx.nn.inference_mode(es.nn.BatchNorm(3))):
+        with pytest.raises(TypeError, match="does not support complex input"):
+            es.apply(lambda m, x: m(x), bn, x)
+    with pytest.raises(ValueError, match="real floating dtype"):
+        es.nn.BatchNorm(3, dtype=jnp.complex64)
+
+
+# --- mask: padded entries contribute nothing ----------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("shape", [(9, 4), (7, 3, 5)])
+def test_mask_equals_torch_on_the_unpadded_batch(mode, shape):
+    """Padding (filled with NaN and huge values, which must not leak in) changes
+    nothing: outputs of the kept rows and running statistics equal
+    torch.nn.BatchNorm on the unpadded batch, step after step."""
+    rng = np.random.default_rng(3)
+    bn = es.nn.BatchNorm(shape[1])
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    tbn = _torch_bn(shape)
+    for step, keep in enumerate([5, 3, 9 if shape[0] == 9 else 7]):
+        x = (rng.normal(size=shape) * (step + 1) + 10).astype(np.float32)
+        x[keep:] = np.nan if step == 0 else 1e30
+        rows = np.arange(shape[0]) < keep
+        mask = jnp.asarray(rows.reshape((-1,) + (1,) * (len(shape) - 1)))
+        if mode == "ref":
+            y = bn(jnp.asarray(x), mask=mask)
+        else:
+            y, bn = es.apply(lambda m, x, k: m(x, mask=k), bn, jnp.asarray(x), mask)
+        ty = tbn(torch.from_numpy(x[:keep])).detach().numpy()
+        np.testing.assert_allclose(np.asarray(y)[:keep], ty, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            bn.running_mean[...], tbn.running_mean, rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            bn.running_var[...], tbn.running_var, rtol=1e-5, atol=1e-6
+        )
+        assert int(bn.num_batches_tracked[...]) == int(tbn.num_batches_tracked)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_mask_under_axis_name_equals_torch_on_the_unpadded_batch(mode):
+    rng = np.random.default_rng(4)
+    bn = es.nn.BatchNorm(3, channel_axis=0, axis_name="batch")
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    tbn = torch.nn.BatchNorm1d(3)
+    for keep in (6, 2):
+        x = (rng.normal(size=(8, 3)) + 1e3).astype(np.float32)
+        x[keep:] = np.nan
+        mask = jnp.arange(8) < keep  # one flag per example
+        y, bn = _per_example(mode, bn, jnp.asarray(x), mask)
+        ty = tbn(torch.from_numpy(x[:keep])).detach().numpy()
+        np.testing.assert_allclose(np.asarray(y)[:keep], ty, rtol=0, atol=1e-3)
+        np.testing.assert_allclose(bn.running_var[...], tbn.running_var, rtol=1e-4)
+        np.testing.assert_allclose(bn.running_mean[...], tbn.running_mean, rtol=1e-5)
+
+
+def test_mask_matches_flax_elementwise_mask():
+    """An elementwise mask (not only whole rows), against flax.linen.BatchNorm(mask=)
+    (two-pass variance) and float64 NumPy."""
+    flax_nn = pytest.importorskip("flax.linen")
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 5, 3)).astype(np.float32) + 100
+    mask = rng.random(size=(6, 5, 1)) < 0.6
+    mask = np.broadcast_to(mask, x.shape)
+    fbn = flax_nn.BatchNorm(
+        use_running_average=False, momentum=0.9, use_fast_variance=False
+    )
+    variables = fbn.init(jax.random.key(0), x, mask=mask)
+    fy, fvars = fbn.apply(variables, x, mask=mask, mutable=["batch_stats"])
+    bn = es.nn.BatchNorm(3, channel_axis=-1, unbiased_running_var=False)
+    y, bn = es.apply(lambda m, x, k: m(x, mask=k), bn, jnp.asarray(x), mask)
+    np.testing.assert_allclose(y, fy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        bn.running_mean[...], fvars["batch_stats"]["mean"], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        bn.running_var[...], fvars["batch_stats"]["var"], rtol=1e-5
+    )
+    x64 = x.reshape(-1, 3).astype(np.float64)
+    k = mask.reshape(-1, 3)
+    for c in range(3):
+        want = x64[k[:, c], c]
+        assert bn.running_mean[...][c] == pytest.approx(0.1 * want.mean(), rel=1e-6)
+
+
+def test_mask_with_an_empty_channel_keeps_its_statistics():
+    bn = es.nn.BatchNorm(2)
+    x = jnp.array([[1.0, 2.0], [3.0, 6.0], [5.0, 10.0]])
+    mask = jnp.array([[True, False]] * 3)
+    _, bn = es.apply(lambda m, x, k: m(x, mask=k), bn, x, mask)
+    np.testing.assert_allclose(bn.running_mean[...], [0.1 * 3.0, 0.0])
+    np.testing.assert_allclose(bn.running_var[...], [0.9 + 0.1 * 4.0, 1.0])
+    assert int(bn.num_batches_tracked[...]) == 1
+
+
+def test_mask_errors():
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    with pytest.raises(ValueError, match=r"mask of shape \(4,\) does not broadcast"):
+        bn(jnp.ones((4, 3)), mask=jnp.ones(4, bool))
+    # the annotation's check in the test suite, or the layer's own message
+    with pytest.raises(TypeError, match="mask must be boolean|parameter 'mask'"):
+        bn(jnp.ones((4, 3)), mask=jnp.ones((4, 1), jnp.float32))
+    assert int(bn.num_batches_tracked[...]) == 0
+
+
+# --- Equinox's BatchNorm(mode="batch"): zero-debiased, biased running variance ------
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("per_example", [True, False])
+def test_zero_debias_matches_equinox_batch_mode(mode, per_example):
+    """The exact translation of `eqx.nn.BatchNorm(C, "batch", momentum=0.99,
+    mode="batch")`, against Equinox itself over several steps: training outputs,
+    inference outputs (running statistics divided by 1 - 0.99**t)."""
+    ebn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        3, "batch", momentum=0.99, mode="batch"
+    )
+    w = jnp.array([1.5, -0.5, 2.0])
+    b = jnp.array([0.1, 0.2, -0.3])
+    ebn = eqx.tree_at(lambda m: (m.weight, m.bias), ebn, (w, b))
+    kw = dict(momentum=0.01, zero_debias=True, unbiased_running_var=False)
+    if per_example:
+        bn = es.nn.BatchNorm(3, channel_axis=0, axis_name="batch", **kw)
+    else:
+        bn = es.nn.BatchNorm(3, **kw)
+    bn = eqx.tree_at(lambda m: (m.weight, m.bias), bn, (w, b))
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    rng = np.random.default_rng(6)
+    for step in range(4):
+        x = jnp.asarray(
+            (rng.normal(size=(8, 3, 5)) * (step + 1) + 3 * step).astype(np.float32)
+        )
+        ey, state = jax.vmap(
+            ebn, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        if per_example:
+            y, bn = _per_example(mode, bn, x)
+        else:
+            y, bn = _run(mode, bn, x)
+        np.testing.assert_allclose(y, ey, rtol=1e-5, atol=1e-5)
+        # inference: Equinox's debiased running statistics
+        xe = jnp.asarray(rng.normal(size=(4, 3, 5)).astype(np.float32) + step)
+        ev = eqx.nn.inference_mode(ebn)
+        want, _ = jax.vmap(
+            ev, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(xe, state)
+        got = eqx.nn.inference_mode(bn)
+        got = jax.vmap(got)(xe) if per_example else got(xe)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    hidden_mean, hidden_var = state.get(ebn.batch_state_index)
+    np.testing.assert_allclose(bn.running_mean[...], hidden_mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var[...], hidden_var, rtol=1e-5)
+
+
+def test_momentum_alone_is_not_equinox_batch_mode():
+    """Why the docs name zero_debias: momentum=0.01 alone is far off after a step."""
+    ebn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        2, "batch", momentum=0.99, mode="batch"
+    )
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(8, 2)) * 3 + 5)
+    _, state = jax.vmap(ebn, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        x.astype(jnp.float32), state
+    )
+    want, _ = jax.vmap(
+        eqx.nn.inference_mode(ebn),
+        axis_name="batch",
+        in_axes=(0, None),
+        out_axes=(0, None),
+    )(x.astype(jnp.float32), state)
+    plain = es.nn.BatchNorm(2, momentum=0.01)
+    _, plain = es.apply(lambda m, x: m(x), plain, x.astype(jnp.float32))
+    assert (
+        np.max(np.abs(eqx.nn.inference_mode(plain)(x.astype(jnp.float32)) - want)) > 1
+    )
+    with pytest.raises(ValueError, match="zero_debias=True needs a momentum"):
+        es.nn.BatchNorm(2, momentum=None, zero_debias=True)
+
+
+# --- axis_name where no axis is bound ----------------------------------------------
+
+
+class _BnNet(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+
+    def __init__(self, axis_name):
+        self.lin = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+        self.bn = es.nn.BatchNorm(4, axis_name=axis_name)
+
+    def __call__(self, x):
+        return self.bn(jax.vmap(self.lin)(x))
+
+
+def test_unbound_axis_name_is_a_clear_error():
+    """Inside make_step(mesh=...) (even on one device) or any whole-batch call, an
+    axis_name that no transform binds raises a NameError that says to drop it."""
+    optax = pytest.importorskip("optax")
+    model = _BnNet("data")
+    mesh = jax.make_mesh((1,), ("data",))
+    step = es.make_step(
+        lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1), mesh=mesh, donate=False
+    )
+    msg = r"(?s)BatchNorm\(axis_name='data'\) was called where no axis.*make_step.*mesh.*without `axis_name`"
+    with pytest.raises(NameError, match=msg):
+        step(model, step.init(model), jnp.ones((4, 3)))
+    with pytest.raises(NameError, match=msg):
+        es.apply(lambda m, x: m(x), model, jnp.ones((4, 3)))
+    assert int(model.bn.num_batches_tracked[...]) == 0
+    # the fix: no axis_name, the same step works on the mesh
+    fixed = _BnNet(None)
+    fixed, _ = step(fixed, step.init(fixed), jnp.ones((4, 3)))
+    assert int(fixed.bn.num_batches_tracked[...]) == 1
+
+
+# --- kinds and reset fills ----------------------------------------------------------
+
+
+def test_all_three_cells_are_batch_stats_with_reset_fills():
+    """`es.reset(model, es.BatchStat)` must be torch's reset_running_stats(): all
+    three cells are BatchStat (the count too, which momentum=None divides by), with
+    fills 0, 1, 0."""
+    bn = es.nn.BatchNorm(3)
+    cells = [c for c in jax.tree.leaves(bn, is_leaf=es.is_state) if es.is_state(c)]
+    assert [type(c) for c in cells] == [es.BatchStat] * 3
+    assert [c.init for c in cells] == [0, 1, 0]
+
+
+def test_recalibration_with_cumulative_average_matches_torch():
+    """PyTorch's `reset_running_stats()` + `momentum=None` recalibration: writing
+    every BatchStat back to its fill (what es.reset does) then averaging."""
+    rng = np.random.default_rng(8)
+    bn = es.nn.BatchNorm(3, momentum=None)
+    tbn = torch.nn.BatchNorm1d(3, momentum=None)
+    batches = [rng.normal(size=(5, 3)).astype(np.float32) + i for i in range(5)]
+    for x in batches[:2]:
+        _, bn = es.apply(lambda m, x: m(x), bn, jnp.asarray(x))
+        tbn(torch.from_numpy(x))
+
+    def reset_batch_stats(m):  # TODO(lead): es.reset(m, es.BatchStat) once merged
+        for c in jax.tree.leaves(m, is_leaf=es.is_state):
+            if isinstance(c, es.BatchStat):
+                c[...] = jnp.full(c.shape, c.init, c.dtype)
+
+    _, bn = es.apply(reset_batch_stats, bn)
+    tbn.reset_running_stats()
+    for x in batches[2:]:
+        _, bn = es.apply(lambda m, x: m(x), bn, jnp.asarray(x))
+        tbn(torch.from_numpy(x))
+    np.testing.assert_allclose(bn.running_mean[...], tbn.running_mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.running_var[...], tbn.running_var, rtol=1e-5)
+    assert int(bn.num_batches_tracked[...]) == 3
+
+
+# --- cases ported from PyTorch's and Flax's own BatchNorm tests ---------------------
+
+
+def test_flax_batch_norm_case_biased_running_var():
+    """flax tests/linen/linen_test.py::test_batch_norm: x (4, 3, 2) channels last,
+    Flax momentum 0.9; ema mean = 0.1 * mean, ema var = 0.9 + 0.1 * biased var."""
+    x = jax.random.normal(jax.random.key(0), (4, 3, 2))
+    bn = es.nn.BatchNorm(2, channel_axis=-1, unbiased_running_var=False)
+    y, bn = es.apply(lambda m, x: m(x), bn, x)
+    np.testing.assert_allclose(y.mean((0, 1)), [0.0, 0.0], atol=1e-4)
+    np.testing.assert_allclose(y.var((0, 1)), [1.0, 1.0], rtol=1e-4)
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(bn.running_mean[...], 0.1 * x64.mean((0, 1)), atol=1e-6)
+    np.testing.assert_allclose(
+        bn.running_var[...], 0.9 + 0.1 * x64.var((0, 1)), rtol=1e-6
+    )
+
+
+def test_flax_multi_call_case():
+    """flax test_batch_norm_multi_init: a BatchNorm called twice in one step (on x,
+    then on its own output) under a named axis; torch on the same two calls."""
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    bn = es.nn.BatchNorm(4, channel_axis=0, axis_name="batch")
+
+    def twice(m, x):
+        f = es.vmap(m, axis_name="batch")
+        y1 = f(x)
+        return y1, f(y1)
+
+    (y1, y2), bn = es.apply(twice, bn, x)
+    tbn = torch.nn.BatchNorm1d(4)
+    t1 = tbn(torch.from_numpy(np.array(x)))
+    t2 = tbn(t1)
+    np.testing.assert_allclose(y1, t1.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y2, t2.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(bn.running_var[...], tbn.running_var, rtol=1e-5)
+    assert int(bn.num_batches_tracked[...]) == 2
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 2, 2)])
+def test_torch_grad_case(shape):
+    """PyTorch test_nn's BatchNorm gradient checks: d(output)/d(input, weight, bias)
+    in training mode equal torch autograd (the batch statistics are differentiated
+    through; the running statistics are not)."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=shape).astype(np.float32) * 2 + 1
+    g = rng.normal(size=shape).astype(np.float32)
+    w = rng.normal(size=shape[1]).astype(np.float32)
+    b = rng.normal(size=shape[1]).astype(np.float32)
+    tbn = _torch_bn(shape)
+    with torch.no_grad():
+        tbn.weight.copy_(torch.from_numpy(w))
+        tbn.bias.copy_(torch.from_numpy(b))
+    tx = torch.from_numpy(x).requires_grad_()
+    (tbn(tx) * torch.from_numpy(g)).sum().backward()
+    bn = es.nn.BatchNorm(shape[1])
+    bn = eqx.tree_at(lambda m: (m.weight, m.bias), bn, (jnp.asarray(w), jnp.asarray(b)))
+
+    def loss(wb, x):
+        m = eqx.tree_at(lambda m: (m.weight, m.bias), bn, wb)
+        y, _ = es.apply(lambda m, x: m(x), m, x)
+        return jnp.sum(y * g)
+
+    (gw, gb), gx = jax.grad(loss, argnums=(0, 1))((bn.weight, bn.bias), jnp.asarray(x))
+    np.testing.assert_allclose(gx, tx.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gw, tbn.weight.grad.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gb, tbn.bias.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_eval_does_not_update_case():
+    """PyTorch test_nn test_batchnorm_update_stats: eval leaves the buffers and the
+    count alone; train updates them."""
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    x = jnp.asarray(np.random.default_rng(10).normal(size=(4, 3)), jnp.float32)
+    eqx.nn.inference_mode(bn)(x)
+    assert int(bn.num_batches_tracked[...]) == 0
+    np.testing.assert_array_equal(bn.running_mean[...], np.zeros(3))
+    bn(x)
+    assert int(bn.num_batches_tracked[...]) == 1
+    assert not np.allclose(bn.running_mean[...], 0)

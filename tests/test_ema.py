@@ -398,3 +398,156 @@ def test_errors(getkey):
         es.nn.EMA(net, zero_debias=True, dynamic_decay=True)
     with pytest.raises(ValueError, match="no parameters to average"):
         es.nn.EMA({"step": jnp.zeros((), jnp.int32)})
+
+
+# --- narrow parameter dtypes: the average is kept in float32 ------------------------
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("zero_debias", [False, True])
+def test_low_precision_params_average_in_float32(mode, dtype, zero_debias, getkey):
+    """bf16 / f16 parameters: the average is kept and computed in float32 and equals
+    float64 NumPy on the same (bf16 / f16) values; `average` / `averaged` cast back.
+    In bf16 0.999 rounds to 1.0: an average kept in bf16 never moves."""
+    net = eqx.nn.Linear(3, 2, key=getkey(), dtype=dtype)
+    ema = es.nn.EMA(net, decay=0.999, zero_debias=zero_debias)
+    assert all(c.dtype == jnp.float32 for c in ema.hidden)
+    if mode == "ref":
+        ema = es.to_refs(ema)
+    ref = NumpyEMA(
+        [x.astype(np.float64) for x in _leaves(net)], 0.999, zero_debias=zero_debias
+    )
+    current = jax.tree.map(
+        lambda x: x + jnp.asarray(1.0, dtype) if eqx.is_inexact_array(x) else x, net
+    )
+    update = eqx.filter_jit(_update)
+    for _ in range(60):
+        ema = update(mode, ema, current)
+        ref.update([x.astype(np.float64) for x in _leaves(current)])
+    want = ref.average()
+    # float32 round-off, accumulated over the 60 updates (two roundings each)
+    tol = 2 * 60 * float(jnp.finfo(jnp.float32).eps)
+    for cell, w in zip(ema.hidden, ref.h):
+        np.testing.assert_allclose(np.asarray(cell[...]), w, rtol=0, atol=tol)
+    for got, w in zip(jax.tree.leaves(ema.average), want):
+        assert got.dtype == dtype
+        # within one rounding of the parameter dtype
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), w, rtol=float(jnp.finfo(dtype).eps), atol=0
+        )
+    averaged = ema.averaged(net)
+    assert averaged.weight.dtype == dtype
+    # it moved: after 60 steps towards +1, about 1 - 0.999**60 = 0.058
+    moved = np.asarray(averaged.weight, np.float64) - np.asarray(net.weight, np.float64)
+    if not zero_debias:
+        np.testing.assert_allclose(moved, 1 - 0.999**60, rtol=0.05)
+
+
+def test_accumulation_dtype_option(getkey):
+    net = eqx.nn.Linear(3, 2, key=getkey())
+    ema = es.nn.EMA(net, decay=0.9, accumulation_dtype=jnp.bfloat16)
+    assert all(c.dtype == jnp.bfloat16 for c in ema.hidden)
+    assert jax.tree.leaves(ema.average)[0].dtype == jnp.float32
+    with pytest.raises(ValueError, match="accumulation_dtype must be a floating"):
+        es.nn.EMA(net, accumulation_dtype=jnp.int32)
+
+
+# --- state kinds and reset fills ----------------------------------------------------
+
+
+def test_cells_are_average_state_with_reset_fills(getkey):
+    """Every cell of an EMA is an `es.AverageState` (not a BatchStat: resetting
+    BatchNorm statistics must not wipe the average); the count resets to 0, a
+    zero-debiased average to 0, a plain one has no fill (it starts at parameters)."""
+    net = _net(getkey())
+    plain = es.nn.EMA(net, decay=0.9)
+    debiased = es.nn.EMA(net, decay=0.9, zero_debias=True)
+    for ema, fill in ((plain, None), (debiased, 0)):
+        cells = [c for c in jax.tree.leaves(ema, is_leaf=es.is_state) if es.is_state(c)]
+        assert {type(c) for c in cells} == {es.AverageState}
+        assert [c.init for c in ema.hidden] == [fill] * len(ema.hidden)
+        assert ema.count.init == 0
+
+
+# --- microbatches: an update in the loss runs once per slice ------------------------
+
+
+def test_update_in_loss_with_microbatches_advances_k_times(getkey):
+    """As documented: with `make_step(..., microbatches=k)` an update inside the
+    loss averages k times per optimizer step (on the same parameters), so the
+    effective decay is d**k; updating after the step averages once."""
+    decay, k = 0.8, 2
+    model = Model(getkey(), decay=decay)
+    p0 = _leaves(model.net)
+    step = es.make_step(_loss, optax.sgd(0.1), microbatches=k, donate=False)
+    new, _ = step(model, step.init(model), jnp.ones((4, 3)), jnp.zeros((4, 2)))
+    assert int(new.ema.steps) == k
+    ref = NumpyEMA(p0, decay)
+    for _ in range(k):
+        ref.update(p0)
+    for got, want in zip(_leaves(new.ema.average), ref.average()):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    # once per optimizer step: update outside the loss, after the step
+    def plain_loss(model, x, y):
+        return jnp.mean((jax.vmap(model.net)(x) - y) ** 2)
+
+    step = es.make_step(plain_loss, optax.sgd(0.1), microbatches=k, donate=False)
+    new, _ = step(model, step.init(model), jnp.ones((4, 3)), jnp.zeros((4, 2)))
+    _, new = es.apply(lambda m: m.ema.update(m.net), new)
+    assert int(new.ema.steps) == 1
+    ref = NumpyEMA(p0, decay)
+    ref.update(_leaves(new.net))
+    for got, want in zip(_leaves(new.ema.average), ref.average()):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# --- cases ported from Haiku's haiku/_src/moving_averages_test.py -------------------
+# (Haiku's average starts at zero; `EMA(x)` starts at the x it is built from, so the
+# cases build it from zeros.)
+
+
+def _haiku_ema(decay, **kw):
+    return es.to_refs(es.nn.EMA(jnp.zeros((3, 4)), decay=decay, **kw))
+
+
+def _ema_call(ema, x):
+    """Haiku's `ema(x)`: update, then read the average."""
+    ema.update(x)
+    return np.asarray(ema.average)
+
+
+def test_haiku_zero_decay():
+    ema = _haiku_ema(0.0, zero_debias=True)
+    x = jax.random.uniform(jax.random.key(428), (2, 3, 4))
+    np.testing.assert_allclose(x[0], _ema_call(ema, x[0]))
+    np.testing.assert_allclose(x[1], _ema_call(ema, x[1]))
+
+
+def test_haiku_warmup():
+    ema = _haiku_ema(0.5, warmup_length=2)
+    x = jax.random.uniform(jax.random.key(428), (2, 3, 4))
+    np.testing.assert_allclose(x[0], _ema_call(ema, x[0]))
+    np.testing.assert_allclose(x[0], _ema_call(ema, x[0]))
+    np.testing.assert_allclose((x[0] + x[1]) / 2, _ema_call(ema, x[1]), rtol=1e-6)
+
+
+def test_haiku_call():
+    ema = es.to_refs(es.nn.EMA(jnp.zeros(()), decay=0.5, zero_debias=True))
+    assert _ema_call(ema, jnp.asarray(3.0)) == pytest.approx(3.0)
+    assert _ema_call(ema, jnp.asarray(6.0)) == pytest.approx(5.0)
+
+
+def test_haiku_fast_slow_decay():
+    fast = es.to_refs(es.nn.EMA(jnp.zeros(()), decay=0.2, zero_debias=True))
+    slow = es.to_refs(es.nn.EMA(jnp.zeros(()), decay=0.8, zero_debias=True))
+    one = jnp.asarray(1.0)
+    np.testing.assert_allclose(_ema_call(fast, one), _ema_call(slow, one), rtol=1e-4)
+    assert _ema_call(fast, one + 1) > _ema_call(slow, one + 1)
+
+
+def test_haiku_identity_on_unchanged_data():
+    ema = es.to_refs(es.nn.EMA(jnp.zeros(()), decay=0.5, zero_debias=True))
+    for _ in range(10):
+        np.testing.assert_allclose(_ema_call(ema, jnp.asarray(1.0)), 1.0, rtol=1e-6)

@@ -42,6 +42,14 @@ def _feed(m, tokens):
     return m(tokens)
 
 
+def reset_caches(model):
+    """What `es.reset(model, es.Cache)` does: every Cache cell back to its fill.
+    TODO(lead): use `es.reset(model, es.Cache)` once eqx_state/_reset.py is on main."""
+    for c in jax.tree.leaves(model, is_leaf=es.is_state):
+        if isinstance(c, es.Cache):
+            c[...] = jnp.full(c.shape, c.init, c.dtype)
+
+
 @pytest.fixture
 def attn():
     return es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
@@ -211,7 +219,7 @@ def test_reset_starts_a_new_sequence(mode):
     _, cached = jit_call(cached, mode, _feed, prompt)
     _, cached = jit_call(cached, mode, _feed, prompt[:2])
     assert int(cached.blocks[0].attn.position()) == 6
-    _, cached = call(cached, mode, lambda m: es.nn.reset_kv_cache(m))
+    _, cached = call(cached, mode, reset_caches)
     assert all(int(b.attn.position()) == 0 for b in cached.blocks)
     # decoding after a reset ignores the stale entries: same as a fresh cache
     other = prompt[::-1]
@@ -404,3 +412,206 @@ def test_save_load_mid_sequence_resumes_decoding(mode, tmp_path):
     got, _ = jit_call(resumed, mode, _feed, token)
     want = forward(model, jnp.concatenate([prompt, token]))[-1:]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# --- a poisoned cache, reset, decodes like a fresh one -------------------------------
+
+
+def numpy_causal_attention(attn, x):
+    """Independent float64 reference: multi-head causal attention from the
+    layer's projection weights, in NumPy."""
+    x = np.asarray(x, np.float64)
+
+    def proj(lin, x):
+        return x @ np.asarray(lin.weight, np.float64).T + np.asarray(lin.bias)
+
+    t = x.shape[0]
+    hd = D // H
+    q, k, v = (
+        proj(p, x).reshape(t, H, hd)
+        for p in (attn.query_proj, attn.key_proj, attn.value_proj)
+    )
+    logits = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return proj(attn.output_proj, np.einsum("hqk,khd->qhd", w, v).reshape(t, D))
+
+
+def _resetters():
+    def method(m):
+        m.cache.reset()
+
+    def truncate(m):
+        es.nn.truncate_kv_cache(m, 0)  # in place (ref mode, inside es.apply)
+
+    return {"KVCache.reset": method, "es.reset": reset_caches, "truncate": truncate}
+
+
+@eqx.filter_jit
+def _decode_one_by_one(m, x):
+    def body(_, xi):
+        return None, m(xi[None])[0]
+
+    return jax.lax.scan(body, None, x)[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reset", list(_resetters()))
+@pytest.mark.parametrize("poison", ["overflow", "nan_sequence"])
+def test_reset_after_poisoning_equals_uncached(mode, reset, poison):
+    """After an overflow with on_overflow="nan" (NaN written into the last slots) or
+    a sequence containing NaN, a reset cache decodes the next sequence exactly as
+    the uncached forward and a float64 NumPy attention: masked positions cannot
+    leak in as 0 * NaN."""
+    attn = es.nn.CausalSelfAttention(
+        D, H, max_len=6, on_overflow="nan", key=jax.random.key(0)
+    )
+    cached = as_mode(attn, mode)
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    if poison == "overflow":
+        y, cached = call(cached, mode, _decode_one_by_one, x)  # 8 > max_len 6
+        assert np.all(np.isnan(y[6:]))
+    else:
+        _, cached = call(cached, mode, lambda m, c: m(c), x[:5].at[2].set(jnp.nan))
+    assert np.isnan(np.asarray(cached.cache.values[...])).any()
+    _, cached = call(cached, mode, _resetters()[reset])
+    assert int(cached.cache.length) == 0
+    new = jax.random.normal(jax.random.key(2), (5, D))
+    outs = []
+    for chunk in (new[:2], new[2:3], new[3:]):  # prefill, then one by one
+        y, cached = call(cached, mode, lambda m, c: m(c), chunk)
+        outs.append(y)
+    got = np.asarray(jnp.concatenate(outs))
+    uncached = es.nn.without_kv_cache(attn)
+    np.testing.assert_allclose(got, uncached(new), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        got, numpy_causal_attention(attn, new), rtol=1e-4, atol=1e-5
+    )
+
+
+# --- truncate: rewind to a prefix -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_truncate_rewinds_to_a_prefix(mode, attn, x):
+    cached = as_mode(es.nn.with_kv_cache(attn, max_len=10), mode)
+    _, cached = call(cached, mode, lambda m, c: m(c), x[:6])
+    before = cached
+    cached = es.nn.truncate_kv_cache(cached, 3)  # either mode: the new model
+    assert int(cached.cache.length) == 3
+    if mode == "value":  # pure: the old model is unchanged
+        assert int(before.cache.length) == 6
+    assert np.all(np.asarray(cached.cache.keys[...])[:, 3:] == 0)
+    other = x[::-1][:2]
+    y, cached = call(cached, mode, lambda m, c: m(c), other)
+    want = attn(jnp.concatenate([x[:3], other]))[3:]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(es.StateWriteError, match="between 0 and the current cursor"):
+        es.nn.truncate_kv_cache(cached, 6)
+    with pytest.raises(es.StateWriteError, match="between 0 and the current cursor"):
+        es.nn.truncate_kv_cache(cached, -1)
+    assert int(cached.cache.length) == 5  # nothing written by the failed calls
+
+
+def test_truncate_past_the_cursor_under_jit_raises_at_run_time():
+    cache = es.nn.KVCache(4, 2, 3)
+    run = eqx.filter_jit(lambda c, n: es.apply(lambda c, n: c.truncate(n), c, n)[1])
+    cache = run(cache, jnp.asarray(0))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="between 0 and the current"):
+        run(cache, jnp.asarray(2))
+
+
+# --- batched decoding: prompts of different lengths, together -------------------------
+
+
+@eqx.filter_jit
+def _decode_batch_with_logits(m, prompts, lengths, steps):
+    """Prefill the padded prompts, set each cursor to its prompt length, then
+    feed `steps` tokens per row (greedy); returns (tokens, prefill logits, step
+    logits)."""
+    rows = jax.vmap(lambda m, t: m(t), in_axes=(es.nn.kv_cache_axes(m), 0))
+    prefill = rows(m, prompts)
+    es.nn.truncate_kv_cache(m, lengths)
+    token = jnp.argmax(prefill[jnp.arange(len(lengths)), lengths - 1], -1)
+    tokens, step_logits = [], []
+    for _ in range(steps):
+        tokens.append(token)
+        logits = rows(m, token[:, None].astype(prompts.dtype))[:, 0]
+        step_logits.append(logits)
+        token = jnp.argmax(logits, -1)
+    return jnp.stack(tokens, 1), prefill, jnp.stack(step_logits, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_of_prompts_of_different_lengths_equals_each_alone(mode):
+    """Each row of a batch decoded together (one cursor per row, padding written
+    and then dropped by truncate) equals the uncached forward on that row's own
+    prompt + generated tokens, and its greedy tokens."""
+    ex, model, _, _ = decode_setup()
+    lengths = jnp.array([4, 1, 3])
+    prompts = jax.random.randint(jax.random.key(5), (3, 4), 0, 20)
+    prompts = jnp.where(jnp.arange(4) < lengths[:, None], prompts, 19)  # padding
+    steps = 5
+    cached = as_mode(es.nn.with_kv_cache(model, 12, batch_size=3), mode)
+    assert cached.blocks[0].attn.cache.keys.shape == (3, H, 12, D // H)
+    if mode == "ref":
+        out = _decode_batch_with_logits(cached, prompts, lengths, steps)
+    else:
+        out, cached = es.apply(
+            _decode_batch_with_logits, cached, prompts, lengths, steps
+        )
+    tokens, prefill, step_logits = out
+    np.testing.assert_array_equal(
+        cached.blocks[0].attn.cache.length, np.asarray(lengths) + steps
+    )
+    for i, n in enumerate(lengths.tolist()):
+        seq = jnp.concatenate([prompts[i, :n], tokens[i]])
+        want = forward(model, seq)  # uncached, this sequence alone
+        np.testing.assert_allclose(prefill[i, :n], want[:n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            step_logits[i], want[n : n + steps], rtol=1e-5, atol=1e-5
+        )
+        # greedy: every generated token is the argmax of the uncached logits
+        np.testing.assert_array_equal(tokens[i], jnp.argmax(want[n - 1 : -1], -1))
+    # the example's scan-based batch decoder gives the same tokens
+    got = ex.decode_batch(model, 12, prompts, lengths, steps)[0]
+    np.testing.assert_array_equal(got, tokens)
+
+
+def test_batched_cache_needs_vmap():
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    batch = es.to_refs(es.nn.with_kv_cache(attn, 8, batch_size=2))
+    with pytest.raises(ValueError, match=r"holds a batch of sequences.*kv_cache_axes"):
+        batch(jnp.ones((3, D)))
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        es.nn.with_kv_cache(attn, 8, batch_size=0)
+
+
+# --- kinds, reset fills, what overflow raises where ----------------------------------
+
+
+def test_cells_are_caches_with_zero_fill():
+    cache = es.nn.KVCache(4, 2, 3)
+    cells = [c for c in jax.tree.leaves(cache, is_leaf=es.is_state) if es.is_state(c)]
+    assert [type(c) for c in cells] == [es.Cache] * 3
+    assert [c.init for c in cells] == [0, 0, 0]
+
+
+def test_overflow_under_make_apply_raises_with_the_message():
+    """es.make_apply compiles with a plain jax.jit at the time of writing: the
+    overflow surfaces as the failed callback's error carrying the message (on CPU
+    a ValueError, elsewhere a JaxRuntimeError; an EquinoxRuntimeError once the
+    step dispatches as filter_jit does); either way it raises and says what
+    happened, as the KVCache docstring states."""
+    cache = es.nn.KVCache(2, 2, 3)
+    step = es.make_apply(lambda c, k: c.append(k, k)[0])
+    k = jnp.ones((1, 2, 3))
+    for i in range(2):
+        start, cache = step(cache, k)
+        assert int(start) == i
+    with pytest.raises(
+        (eqx.EquinoxRuntimeError, jax.errors.JaxRuntimeError, ValueError),
+        match="KVCache overflow",
+    ):
+        step(cache, k)

@@ -3,8 +3,13 @@ report every variant."""
 
 import ast
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import pytest
 from _scripts import cached_script
+
+import eqx_state as es
 
 
 @pytest.fixture(scope="module")
@@ -13,19 +18,67 @@ def bench():
     return cached_script("benchmarks", "kv_cache", "_bench_kv_cache")
 
 
-def test_decode_example_prints_tokens_and_matches_uncached(capsys):
-    ex = cached_script("examples", "decode_kv_cache", "_decode_kv_cache_example")
-    diff = ex.main(["--steps", "6", "--prompt-len", "3"])
+def _example():
+    return cached_script("examples", "decode_kv_cache", "_decode_kv_cache_example")
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_decode_example_prints_tokens_and_matches_uncached(capsys, steps):
+    """`--steps 1` generates one token (the prefill's argmax) and still compares
+    the prompt's logits; the batch rows decode what each prompt decodes alone."""
+    diff = _example().main(["--steps", str(steps), "--prompt-len", "3"])
     out = capsys.readouterr().out
     assert diff < 1e-5
     lines = {k.strip(): v for k, v in (ln.split(":", 1) for ln in out.splitlines())}
     value_tokens = ast.literal_eval(lines["value mode tokens"].strip())
     ref_tokens = ast.literal_eval(lines["ref mode tokens"].strip())
-    assert len(value_tokens) == 6 and value_tokens == ref_tokens
+    assert len(value_tokens) == steps and value_tokens == ref_tokens
     assert lines["value and ref modes decode the same tokens"].strip() == "True"
     printed = float(lines["max |cached - uncached| logits"].split()[2].rstrip(","))
-    assert printed == pytest.approx(diff, rel=1e-2)
-    assert "cursor after decoding: 8 / 9" in out
+    assert printed == pytest.approx(diff, rel=1e-2, abs=1e-9)
+    assert f"cursor after decoding: {3 + steps - 1} / {3 + steps}" in out
+    batch = ast.literal_eval(lines["batch tokens"].strip())
+    assert len(batch) == 3 and all(len(row) == steps for row in batch)
+    assert batch[0] == value_tokens  # row 0 is the same prompt
+
+
+def test_decode_example_first_token_is_the_uncached_argmax():
+    """Independent of the example's own check: the generated tokens are the argmax
+    of the uncached forward, step by step (plain loop, no cache)."""
+    ex = _example()
+    model = ex.TinyTransformer(16, 16, 2, 1, 8, key=jax.random.key(0))
+    prompt = jnp.array([3, 1, 4])
+    forward = eqx.filter_jit(lambda m, s: m(s))
+    for steps in (1, 3):
+        cached = es.nn.with_kv_cache(model, 3 + steps)
+        (tokens, _), _ = ex.decode_value_mode(cached, prompt, steps)
+        # causal: position j of a zero-padded sequence sees tokens 0..j only
+        seq = jnp.concatenate([prompt, jnp.zeros(steps, prompt.dtype)])
+        for k in range(steps):
+            token = jnp.argmax(forward(model, seq)[2 + k]).astype(seq.dtype)
+            seq = seq.at[3 + k].set(token)
+        assert tokens.tolist() == seq[3:].tolist()
+
+
+def test_decode_example_refuses_zero_steps(capsys):
+    """`--steps 0` used to crash with a bare MLIRError; now a usage error."""
+    with pytest.raises(SystemExit) as e:
+        _example().main(["--steps", "0"])
+    assert e.value.code == 2
+    assert "--steps and --prompt-len must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        _example().greedy_decode(None, jnp.zeros(3, jnp.int32), 0)
+
+
+def test_decode_example_check_fails_when_nothing_is_compared():
+    """The example's comparison refuses empty (or mismatched) inputs, where a max
+    over nothing would report a perfect match."""
+    ex = _example()
+    with pytest.raises(AssertionError, match="nothing to compare"):
+        ex.max_abs_diff(jnp.zeros((0, 4)), jnp.zeros((0, 4)), "logits")
+    with pytest.raises(AssertionError, match="nothing to compare"):
+        ex.max_abs_diff(jnp.zeros((2, 4)), jnp.zeros((3, 4)), "logits")
+    assert ex.max_abs_diff(jnp.zeros(2), jnp.array([0.0, -0.5]), "x") == 0.5
 
 
 def test_kv_cache_benchmark_tiny(bench, tmp_path):

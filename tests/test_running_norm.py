@@ -361,3 +361,117 @@ def test_errors():
     x = jnp.arange(8.0).reshape(4, 2)
     with pytest.raises(eqx.EquinoxRuntimeError, match="wrote different values"):
         es.apply(lambda m, x: es.vmap(m)(x), value, x)
+
+
+# --- the count near 2**31: saturates, never wraps -----------------------------------
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_count_near_int32_max_saturates_instead_of_wrapping(mode):
+    """With 2**31 - 10 inputs seen, a batch of 100 used to wrap the int32 count
+    (variance -0.99999, NaN outputs). The count saturates at 2**31 - 1 and the batch
+    is folded in with weight 100 / (2**31 - 10 + 100), as float64 NumPy computes."""
+    near = 2**31 - 10
+    norm = es.nn.RunningNorm(2, clip=None)
+    norm = eqx.tree_at(
+        lambda m: (m.count.value, m.mean.value, m.var.value),
+        norm,
+        (jnp.asarray(near, jnp.int32), jnp.array([1.0, -2.0]), jnp.array([4.0, 0.25])),
+    )
+    if mode == "ref":
+        norm = es.to_refs(norm)
+    x = np.random.default_rng(0).normal(size=(100, 2)).astype(np.float32) * 3 + 5
+    y, norm = _call(mode, norm, jnp.asarray(x))
+    assert int(norm.count[...]) == 2**31 - 1
+    x64 = x.astype(np.float64)
+    n, nb = float(near), 100.0
+    wa, wb = n / (n + nb), nb / (n + nb)
+    delta = x64.mean(0) - np.array([1.0, -2.0])
+    mean = np.array([1.0, -2.0]) + delta * wb
+    var = np.array([4.0, 0.25]) * wa + x64.var(0) * wb + delta**2 * wa * wb
+    np.testing.assert_allclose(norm.mean[...], mean, rtol=1e-6)
+    np.testing.assert_allclose(norm.var[...], var, rtol=1e-6)
+    assert np.all(np.asarray(norm.var[...]) > 0)
+    np.testing.assert_allclose(y, _normalised(x, mean, var, clip=None), rtol=1e-5)
+    # and it stays saturated, still finite, on the next batch
+    y, norm = _call(mode, norm, jnp.asarray(x))
+    assert int(norm.count[...]) == 2**31 - 1
+    assert np.all(np.isfinite(np.asarray(y)))
+
+
+# --- merge: Chan's formula, exact against NumPy on the concatenation ----------------
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("sizes", [(5, 7), (1, 30), (0, 4), (0, 0), (12, 0)])
+def test_merge_equals_numpy_on_the_concatenation(mode, sizes):
+    rng = np.random.default_rng(1)
+    parts = [
+        (rng.normal(size=(n, 3)) * (i + 1) + 10 * i).astype(np.float32)
+        for i, n in enumerate(sizes)
+    ]
+    norms = []
+    for part in parts:
+        norm = es.nn.RunningNorm(3)
+        if mode == "ref":
+            norm = es.to_refs(norm)
+        for chunk in np.array_split(part, 2):  # several updates each
+            _, norm = _call(mode, norm, jnp.asarray(chunk))
+        norms.append(norm)
+    merged = norms[0].merge(norms[1])
+    assert not isinstance(merged.mean.value, jax.Ref)  # a value-mode result
+    allx = np.concatenate(parts).astype(np.float64)
+    assert int(merged.count[...]) == len(allx)
+    if len(allx) == 0:  # nothing seen: the initial moments
+        np.testing.assert_array_equal(merged.mean[...], np.zeros(3))
+        np.testing.assert_array_equal(merged.var[...], np.ones(3))
+        return
+    np.testing.assert_allclose(merged.mean[...], allx.mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(merged.var[...], allx.var(0), rtol=1e-5)
+    # the inputs are unchanged
+    assert int(norms[0].count[...]) == sizes[0]
+    # and the merged normaliser normalises with the combined moments
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    np.testing.assert_allclose(
+        eqx.nn.inference_mode(merged)(jnp.asarray(x)),
+        _normalised(x, allx.mean(0), allx.var(0)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_merge_is_associative_and_saturates():
+    rng = np.random.default_rng(2)
+    parts = [rng.normal(size=(n, 2)).astype(np.float32) + 3 for n in (3, 8, 5)]
+    norms = []
+    for part in parts:
+        norm = es.to_refs(es.nn.RunningNorm(2))
+        norm(jnp.asarray(part))
+        norms.append(es.freeze(norm))
+    left = norms[0].merge(norms[1]).merge(norms[2])
+    right = norms[0].merge(norms[1].merge(norms[2]))
+    for a, b in ((left.mean, right.mean), (left.var, right.var)):
+        np.testing.assert_allclose(a[...], b[...], rtol=1e-6)
+    big = eqx.tree_at(lambda m: m.count.value, norms[0], jnp.asarray(2**31 - 2))
+    assert int(big.merge(big).count[...]) == 2**31 - 1
+
+
+def test_merge_errors():
+    a = es.nn.RunningNorm(2)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        a.merge(es.nn.RunningNorm(3))
+    with pytest.raises(TypeError, match="needs another RunningNorm"):
+        a.merge(es.nn.BatchNorm(2))  # type: ignore[arg-type]
+
+
+def test_cells_are_batch_stats_with_reset_fills():
+    norm = es.nn.RunningNorm(2)
+    cells = [c for c in jax.tree.leaves(norm, is_leaf=es.is_state) if es.is_state(c)]
+    assert {type(c) for c in cells} == {es.BatchStat}
+    assert (norm.mean.init, norm.var.init, norm.count.init) == (0, 1, 0)
+
+
+def test_unbound_axis_name_is_a_clear_error():
+    norm = es.nn.RunningNorm(2, axis_name="env")
+    with pytest.raises(NameError, match=r"RunningNorm\(axis_name='env'\).*no axis"):
+        es.apply(lambda m, x: m(x), norm, jnp.ones((3, 2)))

@@ -343,3 +343,106 @@ def test_errors(getkey):
     np.testing.assert_allclose(
         jax.vmap(ev)(jnp.ones((4, 5))), ev(jnp.ones((4, 5))), rtol=1e-6
     )
+
+
+# --- one batching rule for every wrapped layer --------------------------------------
+
+
+class RowMix(eqx.Module):
+    """A layer that is neither Linear nor Conv: one example is a matrix [in, k],
+    mixed along its rows, `weight @ x`."""
+
+    weight: jax.Array
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (4, 3))
+
+    def __call__(self, x):
+        return self.weight @ x
+
+
+class TorchRowMix(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(np.asarray(weight)))
+
+    def forward(self, x):  # batched natively: [N, in, k] -> [N, out, k]
+        return self.weight @ x
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_any_layer_with_input_ndim_batches_like_torch(mode, getkey):
+    """A custom layer taking [in, k] per example, called on a batch [N, in, k]:
+    mapped over N (a plain call would compute weight @ x on the batch, which for
+    this layer does not even fail). Against torch spectral_norm on the same
+    module: outputs, u, v, sigma over several training calls; then one example."""
+    sn = es.nn.SpectralNorm(RowMix(getkey()), input_ndim=2, key=getkey())
+    t = torch_spectral_norm(TorchRowMix(sn.weight))
+    par = t.parametrizations.weight[0]
+    with torch.no_grad():
+        par._u.copy_(torch.tensor(np.asarray(sn.u[...])))
+        par._v.copy_(torch.tensor(np.asarray(sn.v[...])))
+    if mode == "ref":
+        sn = es.to_refs(sn)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        x = rng.normal(size=(5, 3, 2)).astype(np.float32)
+        y, sn = _call(mode, sn, jnp.asarray(x))
+        assert y.shape == (5, 4, 2)
+        np.testing.assert_allclose(
+            y, t(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-5
+        )
+        tu, tv, tsigma = _torch_state(t)
+        np.testing.assert_allclose(sn.u[...], tu, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(sn.v[...], tv, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(sn.sigma), tsigma, rtol=1e-5)
+    # one example (rank input_ndim) is called as is; several batch axes flatten
+    ev = eqx.nn.inference_mode(sn)
+    t.eval()
+    x = rng.normal(size=(2, 3, 3, 2)).astype(np.float32)
+    want = t(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(ev(jnp.asarray(x)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ev(jnp.asarray(x[0, 0])), want[0, 0], rtol=1e-5)
+    with pytest.raises(
+        ValueError, match=r"input_ndim=2\) got an input of shape \(3,\)"
+    ):
+        ev(jnp.ones(3))
+
+
+def test_square_linear_on_a_square_batch_is_mapped(getkey):
+    """Linear(5, 5) on a batch [5, 5]: `weight @ x` would run without error and
+    be wrong; the rule (input_ndim 1 for Linear) maps over the rows, as torch."""
+    sn = es.nn.SpectralNorm(eqx.nn.Linear(5, 5, key=getkey()), key=getkey())
+    assert sn.input_ndim == 1
+    t = torch.nn.Linear(5, 5)
+    with torch.no_grad():
+        t.weight.copy_(torch.tensor(np.asarray(sn.weight)))
+        t.bias.copy_(torch.tensor(np.asarray(sn.layer.bias)))
+    t = torch_spectral_norm(t)
+    par = t.parametrizations.weight[0]
+    with torch.no_grad():
+        par._u.copy_(torch.tensor(np.asarray(sn.u[...])))
+        par._v.copy_(torch.tensor(np.asarray(sn.v[...])))
+    x = np.random.default_rng(2).normal(size=(5, 5)).astype(np.float32)
+    y, sn = _call("value", sn, jnp.asarray(x))
+    np.testing.assert_allclose(
+        y, t(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_other_layers_need_input_ndim(getkey):
+    with pytest.raises(ValueError, match="cannot tell the rank of one input of RowMix"):
+        es.nn.SpectralNorm(RowMix(getkey()), key=getkey())
+    with pytest.raises(ValueError, match="input_ndim must be non-negative"):
+        es.nn.SpectralNorm(RowMix(getkey()), input_ndim=-1, key=getkey())
+    conv = es.nn.SpectralNorm(eqx.nn.Conv1d(2, 3, 3, key=getkey()), key=getkey())
+    assert conv.input_ndim == 2
+    sc = es.nn.SpectralNorm(eqx.nn.Linear("scalar", 3, key=getkey()), key=getkey())
+    assert sc.input_ndim == 0
+
+
+def test_cells_are_power_iteration_state_without_reset_fill(getkey):
+    sn = es.nn.SpectralNorm(eqx.nn.Linear(3, 2, key=getkey()), key=getkey())
+    cells = [c for c in jax.tree.leaves(sn, is_leaf=es.is_state) if es.is_state(c)]
+    assert [type(c) for c in cells] == [es.PowerIterationState] * 2
+    assert [c.init for c in cells] == [None, None]  # random: nothing to reset to

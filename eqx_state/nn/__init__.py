@@ -2,7 +2,8 @@
 
 from ._attention import (
     CausalSelfAttention as CausalSelfAttention,
-    reset_kv_cache as reset_kv_cache,
+    kv_cache_axes as kv_cache_axes,
+    truncate_kv_cache as truncate_kv_cache,
     with_kv_cache as with_kv_cache,
     without_kv_cache as without_kv_cache,
 )

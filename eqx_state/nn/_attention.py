@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._buffer import Cache, is_state
 from ._kv_cache import KVCache
+
+
+_M = TypeVar("_M")
 
 
 def _attend(
@@ -28,7 +32,9 @@ class CausalSelfAttention(eqx.Module):
     kept inside the layer.
 
     On a sequence `x` of shape `[seq, embed_dim]` (one example, Equinox's
-    convention; `jax.vmap` it over a batch) it computes
+    convention; `jax.vmap` it over a batch, with one cache per sequence:
+    [`eqx_state.nn.with_kv_cache`][]`(..., batch_size=B)` and
+    `in_axes=(es.nn.kv_cache_axes(model), 0)`) it computes
     `softmax(q k^T / sqrt(head_dim) + causal mask) v` per head, with `q, k, v` and
     the output from `eqx.nn.Linear` projections named as in
     `eqx.nn.MultiheadAttention` (`query_proj`, `key_proj`, `value_proj`,
@@ -112,7 +118,7 @@ class CausalSelfAttention(eqx.Module):
             )
         )
 
-    def position(self) -> Int[Array, ""]:
+    def position(self) -> Int[Array, "*batch"]:
         """The position of the next input: the cache's cursor, or 0 without a cache
         (for positional encodings)."""
         if self.cache is None:
@@ -168,6 +174,7 @@ def with_kv_cache(
     model: Any,
     max_len: int,
     *,
+    batch_size: int | None = None,
     dtype=None,
     on_overflow: Literal["raise", "nan"] = "raise",
 ) -> Any:
@@ -179,6 +186,10 @@ def with_kv_cache(
 
     - `model`: any pytree holding attention layers.
     - `max_len`: the positions each cache holds (prompt plus generated tokens).
+    - `batch_size`: if given, each cache holds this many sequences: every cell
+        gets a leading batch axis (one cursor per sequence). Decode the batch by
+        mapping the per-sequence model with
+        `jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`.
     - `dtype`: the cache dtype (default: the dtype of the layer's key projection).
     - `on_overflow`: `"raise"` or `"nan"`, see [`eqx_state.nn.KVCache`][].
 
@@ -197,6 +208,11 @@ def with_kv_cache(
     ```
     """
 
+    if batch_size is not None and batch_size <= 0:
+        raise ValueError(
+            f"with_kv_cache: batch_size must be positive, got {batch_size}."
+        )
+
     def one(x: Any) -> Any:
         if not _is_attn(x):
             return x
@@ -207,6 +223,10 @@ def with_kv_cache(
             dtype=x.key_proj.weight.dtype if dtype is None else dtype,
             on_overflow=on_overflow,
         )
+        if batch_size is not None:
+            cache = jax.tree.map(
+                lambda a: jnp.zeros((batch_size, *a.shape), a.dtype), cache
+            )
         return eqx.tree_at(lambda a: a.cache, x, cache, is_leaf=lambda c: c is None)
 
     return jax.tree_util.tree_map(one, model, is_leaf=_is_attn)
@@ -233,18 +253,75 @@ def without_kv_cache(model: Any) -> Any:
     return jax.tree_util.tree_map(one, model, is_leaf=_is_attn)
 
 
-def reset_kv_cache(model: Any) -> None:
-    """Set the cursor of every [`eqx_state.nn.KVCache`][] in `model` to 0, to decode
-    a new sequence. This writes state: call it inside [`eqx_state.apply`][] in value
-    mode (`_, model = es.apply(es.nn.reset_kv_cache, model)`), or directly in ref
-    mode.
+def _is_cache(x: Any) -> bool:
+    return isinstance(x, KVCache)
+
+
+def kv_cache_axes(model: Any) -> Any:
+    """The `in_axes` of `model` for `jax.vmap` over a batch of sequences whose caches
+    were built with [`eqx_state.nn.with_kv_cache`][]`(..., batch_size=B)`: `0` for
+    every [`eqx_state.nn.KVCache`][] (its cells have the batch axis), `None` for
+    everything else (the parameters are shared).
 
     **Arguments:**
 
     - `model`: any pytree holding caches.
+
+    **Returns:**
+
+    A pytree prefix of `model` to pass as its entry of `in_axes`.
+
+    **Example:**
+
+    ```python
+    import jax, jax.numpy as jnp
+    import eqx_state as es
+
+    attn = es.nn.CausalSelfAttention(8, num_heads=2, key=jax.random.key(0))
+    batch = es.to_refs(es.nn.with_kv_cache(attn, max_len=16, batch_size=3))
+    axes = es.nn.kv_cache_axes(batch)
+    x = jax.random.normal(jax.random.key(1), (3, 4, 8))  # 3 sequences
+    y = jax.vmap(lambda m, x: m(x), in_axes=(axes, 0))(batch, x)
+    assert y.shape == (3, 4, 8) and batch.cache.length.tolist() == [4, 4, 4]
+    ```
     """
-    for leaf in jax.tree_util.tree_leaves(
-        model, is_leaf=lambda x: isinstance(x, KVCache)
-    ):
+    return jax.tree.map(lambda x: 0 if _is_cache(x) else None, model, is_leaf=_is_cache)
+
+
+def truncate_kv_cache(model: _M, length: int | Int[Array, "*batch"]) -> _M:
+    """[`KVCache.truncate`][eqx_state.nn.KVCache.truncate] every cache in `model`:
+    keep the first `length` positions, zero the rest. After prefilling a batch of
+    prompts padded to one length, pass each prompt's length: each sequence then
+    continues (writes and attends) from its own last token.
+
+    * Value mode (outside a step): returns a new model; `model` is unchanged.
+    * Ref mode ([`eqx_state.to_refs`][]), or inside [`eqx_state.apply`][] /
+      [`eqx_state.make_step`][]: the cells are written in place, and the model is
+      returned too, so `model = truncate_kv_cache(model, n)` works in both modes.
+
+    **Arguments:**
+
+    - `model`: any pytree holding caches.
+    - `length`: the new length: one for every sequence, or one per sequence
+        (shape `[batch_size]`) for caches built with `batch_size`.
+
+    **Returns:**
+
+    The model with truncated caches.
+    """
+    cells = [
+        c for c in jax.tree.leaves(model, is_leaf=is_state) if isinstance(c, Cache)
+    ]
+    if all(isinstance(c.value, jax.Ref) for c in cells):
+        _truncate_in_place(model, length)
+        return model
+    from .._step import apply  # a value-mode model: write through a pure apply
+
+    _, model = apply(_truncate_in_place, model, length)
+    return model
+
+
+def _truncate_in_place(model: Any, length: Any) -> None:
+    for leaf in jax.tree.leaves(model, is_leaf=_is_cache):
         if isinstance(leaf, KVCache):
-            leaf.reset()
+            leaf.truncate(length)

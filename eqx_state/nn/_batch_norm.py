@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Inexact
+from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat, CounterState
+from .._buffer import BatchStat
+from ._axis import axis_size
 
 
 class BatchNorm(eqx.Module):
@@ -25,7 +27,29 @@ class BatchNorm(eqx.Module):
       with the running statistics; nothing is written.
     - `track_running_stats=False`: always normalise with batch statistics; no cells.
 
-    Statistics are computed in float32 (or the input dtype if wider).
+    The variance is computed in two passes (the mean first, then the mean of the
+    squared deviations from it), also when it is reduced over `axis_name`, so data
+    far from zero (an offset of $10^4$ on unit-variance data) is normalised to
+    float32 round-off. Statistics are computed in float32 (or the input dtype if
+    wider). Complex input is refused, as in PyTorch: normalise the real and
+    imaginary parts (e.g. stacked as channels) instead.
+
+    **Other conventions.** Flax, Haiku and Equinox keep the *biased* batch variance
+    in the running average (`unbiased_running_var=False`), and Haiku and Equinox's
+    `BatchNorm(mode="batch")` divide the running statistics by $1 - (1 - m)^t$ at
+    inference, $t$ = `num_batches_tracked` (`zero_debias=True`). So
+    `eqx.nn.BatchNorm(C, axis_name, momentum=0.99, mode="batch")` is exactly
+    `BatchNorm(C, momentum=0.01, zero_debias=True, unbiased_running_var=False,
+    channel_axis=0, axis_name=axis_name)` (called per example under
+    [`eqx_state.vmap`][]), or the same without `axis_name` and with
+    `channel_axis=1` on the whole batch. Equinox's `mode="ema"` (which normalises
+    training batches with the running average) has no counterpart.
+
+    **Padding.** `bn(x, mask=m)` computes the batch statistics from the entries
+    where `m` is `True` only (Flax's `mask`): padded examples contribute nothing,
+    and the statistics equal those of the unpadded batch. Every entry of `x` is
+    normalised with them. A channel with no unmasked entry keeps its running
+    statistics (`num_batches_tracked` still counts the call).
 
     **Arguments:**
 
@@ -34,12 +58,20 @@ class BatchNorm(eqx.Module):
     - `momentum`: the running-average factor (PyTorch's convention: the weight of
         the *new* batch), or `None` for a cumulative average.
     - `affine`: learn a per-channel `weight` (init 1) and `bias` (init 0).
-    - `track_running_stats`: keep `running_mean`, `running_var`,
-        `num_batches_tracked` as [`eqx_state.BatchStat`][] /
-        [`eqx_state.CounterState`][] cells.
+    - `track_running_stats`: keep `running_mean` (init 0), `running_var` (init 1)
+        and `num_batches_tracked` (init 0) as [`eqx_state.BatchStat`][] cells, so
+        that `es.reset(model, es.BatchStat)` is PyTorch's `reset_running_stats()`
+        (for a recalibration, e.g. with `momentum=None`).
     - `channel_axis`: the axis of `x` holding the channels (default 1, PyTorch's).
-    - `axis_name`: a named axis (of `jax.vmap` / `shard_map`) over which the batch
-        statistics are averaged, for per-example or per-device calls.
+    - `axis_name`: a named axis (of [`eqx_state.vmap`][], `jax.shard_map` or
+        `jax.pmap`) over which the batch statistics are reduced, for per-example or
+        per-device calls. Not for `make_step(..., mesh=...)`, which already
+        computes them over the global batch: there a bound-less `axis_name` raises
+        a `NameError` saying to drop it.
+    - `zero_debias`: at inference, divide the running statistics by
+        $1 - (1 - m)^t$ (Haiku's and Equinox's zero-debiasing). Needs a `momentum`.
+    - `unbiased_running_var`: keep the unbiased batch variance in `running_var`
+        (PyTorch, the default), or the biased one (Flax, Haiku, Equinox).
     - `inference`: start in evaluation mode.
     - `dtype`: the dtype of parameters and statistics (default float32).
 
@@ -51,7 +83,7 @@ class BatchNorm(eqx.Module):
 
     bn = es.nn.BatchNorm(3)
     y, bn = es.apply(lambda m, x: m(x), bn, jnp.arange(12.0).reshape(4, 3))
-    print(bn.running_mean[...])  # [0.45 0.55 0.65]
+    print(bn.running_mean[...].round(4))  # [0.45 0.55 0.65]
     ```
     """
 
@@ -59,12 +91,14 @@ class BatchNorm(eqx.Module):
     bias: Float[Array, " channels"] | None
     running_mean: BatchStat | None
     running_var: BatchStat | None
-    num_batches_tracked: CounterState | None
+    num_batches_tracked: BatchStat | None
     num_features: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     momentum: float | None = eqx.field(static=True)
     channel_axis: int = eqx.field(static=True)
     axis_name: Hashable | None = eqx.field(static=True)
+    zero_debias: bool = eqx.field(static=True)
+    unbiased_running_var: bool = eqx.field(static=True)
     inference: bool
 
     def __init__(
@@ -77,6 +111,8 @@ class BatchNorm(eqx.Module):
         track_running_stats: bool = True,
         channel_axis: int = 1,
         axis_name: Hashable | None = None,
+        zero_debias: bool = False,
+        unbiased_running_var: bool = True,
         inference: bool = False,
         dtype=None,
     ):
@@ -88,12 +124,24 @@ class BatchNorm(eqx.Module):
             raise ValueError(
                 f"BatchNorm: momentum must be in [0, 1] or None, got {momentum}."
             )
+        if zero_debias and momentum is None:
+            raise ValueError(
+                "BatchNorm: zero_debias=True needs a momentum: it divides the running "
+                "statistics by 1 - (1 - momentum)**t, and momentum=None (a "
+                "cumulative average) has nothing to correct. Drop one of them."
+            )
         dtype = jnp.float32 if dtype is None else dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"BatchNorm: dtype must be a real floating dtype, got {dtype}."
+            )
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
         self.channel_axis = channel_axis
         self.axis_name = axis_name
+        self.zero_debias = zero_debias
+        self.unbiased_running_var = unbiased_running_var
         self.inference = inference
         if affine:
             self.weight = jnp.ones(num_features, dtype)
@@ -101,9 +149,9 @@ class BatchNorm(eqx.Module):
         else:
             self.weight = self.bias = None
         if track_running_stats:
-            self.running_mean = BatchStat(jnp.zeros(num_features, dtype))
-            self.running_var = BatchStat(jnp.ones(num_features, dtype))
-            self.num_batches_tracked = CounterState(jnp.zeros((), jnp.int32))
+            self.running_mean = BatchStat(jnp.zeros(num_features, dtype), init=0)
+            self.running_var = BatchStat(jnp.ones(num_features, dtype), init=1)
+            self.num_batches_tracked = BatchStat(jnp.zeros((), jnp.int32), init=0)
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
 
@@ -120,7 +168,15 @@ class BatchNorm(eqx.Module):
             raise ValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."
             )
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            raise TypeError(
+                f"BatchNorm does not support complex input (got {x.dtype}), as "
+                "torch.nn.BatchNorm: the variance of complex data has more than one "
+                "definition. Normalise the real and imaginary parts, e.g. "
+                "`bn(jnp.concatenate([x.real, x.imag], axis=channel_axis))` with "
+                "twice the channels."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
                 f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
@@ -141,17 +197,65 @@ class BatchNorm(eqx.Module):
             raise ValueError(
                 f"BatchNorm got a single example of shape {x.shape} in training mode: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
-                "under `jax.vmap(..., axis_name=name)`, build it with "
-                "`BatchNorm(..., axis_name=name)`."
+                "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
+                "with `BatchNorm(..., channel_axis=0, axis_name=name)`."
             )
         return axis
 
-    def __call__(self, x: Inexact[Array, "..."], *, key=None) -> Inexact[Array, "..."]:
+    def _mask(self, mask: ArrayLike, x: Array) -> Array:
+        m = jnp.asarray(mask)
+        if m.dtype != jnp.bool_:
+            raise TypeError(
+                f"BatchNorm: mask must be boolean (True where an entry counts), got "
+                f"{m.dtype}. E.g. `mask=lengths[:, None] > jnp.arange(T)`."
+            )
+        try:
+            return jnp.broadcast_to(m, x.shape)
+        except ValueError:
+            raise ValueError(
+                f"BatchNorm: a mask of shape {m.shape} does not broadcast to the input "
+                f"shape {x.shape}. Give one entry per example (shape [N] + [1] * "
+                f"{x.ndim - 1}, e.g. `mask[:, None]` for [N, C]), or the input's shape."
+            ) from None
+
+    def _batch_stats(
+        self, xc: Array, red: tuple[int, ...], shape: list[int], mask: Array | None
+    ) -> tuple[Array, Array, Array | int]:
+        """Batch mean, biased variance and count per channel (two passes)."""
+        if mask is None:
+            n: Array | int = math.prod(xc.shape[i] for i in red)
+            total = jnp.sum(xc, axis=red)
+        else:
+            n = jnp.sum(mask, axis=red, dtype=jnp.int32)
+            total = jnp.sum(jnp.where(mask, xc, 0), axis=red)
+        if self.axis_name is not None:
+            size = axis_size(self.axis_name, "BatchNorm")
+            total = jax.lax.psum(total, self.axis_name)
+            n = n * size if mask is None else jax.lax.psum(n, self.axis_name)
+        nf = jnp.maximum(jnp.asarray(n, xc.dtype), 1)
+        mean = total / nf
+        dev = xc - mean.reshape(shape)
+        sq = jnp.square(dev) if mask is None else jnp.where(mask, jnp.square(dev), 0)
+        ssd = jnp.sum(sq, axis=red)
+        if self.axis_name is not None:
+            ssd = jax.lax.psum(ssd, self.axis_name)
+        return mean, ssd / nf, n
+
+    def __call__(
+        self,
+        x: Inexact[Array, "..."],
+        *,
+        mask: Bool[ArrayLike, "..."] | None = None,
+        key=None,
+    ) -> Inexact[Array, "..."]:
         """Normalise `x`; in training mode also update the running statistics.
 
         **Arguments:**
 
         - `x`: an array with `num_features` channels on `channel_axis`.
+        - `mask`: optional boolean array broadcastable to `x.shape`: only the
+            entries where it is `True` enter the batch statistics (padding).
+            Ignored in evaluation.
         - `key`: ignored; accepted for compatibility with `eqx.nn.Sequential`.
 
         **Returns:**
@@ -167,12 +271,15 @@ class BatchNorm(eqx.Module):
         xc = x.astype(cdtype)
         use_batch = not self.inference or not self.track_running_stats
         if use_batch:
-            mean = jnp.mean(xc, axis=red)
-            var = jnp.mean(jnp.square(xc - mean.reshape(shape)), axis=red)
-            n = 1
-            for i in red:
-                n *= x.shape[i]
-            if n == 1 and self.axis_name is None and not self.inference:
+            m = None if mask is None else self._mask(mask, x)
+            mean, var, n = self._batch_stats(xc, red, shape, m)
+            if (
+                m is None
+                and isinstance(n, int)
+                and n == 1
+                and self.axis_name is None
+                and not self.inference
+            ):
                 raise ValueError(
                     f"BatchNorm got one value per channel (input shape {x.shape}) in "
                     "training mode: the batch variance is 0, so the running variance "
@@ -180,19 +287,11 @@ class BatchNorm(eqx.Module):
                     "batches of more than one example, or evaluate with "
                     "`eqx.nn.inference_mode(model)`."
                 )
-            if self.axis_name is not None:
-                # E[x] and E[x^2] over the named axis, then the variance from them.
-                mean_sq = jnp.mean(jnp.square(xc), axis=red)
-                mean = jax.lax.pmean(mean, self.axis_name)
-                mean_sq = jax.lax.pmean(mean_sq, self.axis_name)
-                var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
-                n = n * jax.lax.psum(1, self.axis_name)
             if not self.inference and self.track_running_stats:
-                self._update(mean, var, n)
+                counted = None if m is None else jnp.asarray(n) > 0
+                self._update(mean, var, n, counted=counted)
         else:
-            assert self.running_mean is not None and self.running_var is not None
-            mean = self.running_mean[...].astype(cdtype)
-            var = self.running_var[...].astype(cdtype)
+            mean, var = self._running_stats(cdtype)
         y = (xc - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.eps)
         if self.weight is not None and self.bias is not None:
             y = y * self.weight.astype(cdtype).reshape(shape) + self.bias.astype(
@@ -200,7 +299,19 @@ class BatchNorm(eqx.Module):
             ).reshape(shape)
         return y.astype(x.dtype)
 
-    def _update(self, mean: Array, var: Array, n) -> None:
+    def _running_stats(self, cdtype) -> tuple[Array, Array]:
+        assert self.running_mean is not None and self.running_var is not None
+        mean = self.running_mean[...].astype(cdtype)
+        var = self.running_var[...].astype(cdtype)
+        if self.zero_debias:
+            assert self.num_batches_tracked is not None and self.momentum is not None
+            t = self.num_batches_tracked[...]
+            scale = 1 - jnp.power(jnp.asarray(1 - self.momentum, cdtype), t)
+            scale = jnp.where(t > 0, scale, jnp.ones((), cdtype))
+            mean, var = mean / scale, var / scale
+        return mean, var
+
+    def _update(self, mean: Array, var: Array, n, counted: Array | None) -> None:
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         count = self.num_batches_tracked[...] + 1
@@ -209,7 +320,14 @@ class BatchNorm(eqx.Module):
             m = 1.0 / count.astype(mean.dtype)
         else:
             m = jnp.asarray(self.momentum, mean.dtype)
-        unbiased = var * (n / jnp.maximum(n - 1, 1))
+        if self.unbiased_running_var:
+            nf = jnp.asarray(n, var.dtype)
+            var = var * (nf / jnp.maximum(nf - 1, 1))
         rm, rv = self.running_mean, self.running_var
-        rm[...] = ((1 - m) * rm[...] + m * mean).astype(rm.dtype)
-        rv[...] = ((1 - m) * rv[...] + m * unbiased).astype(rv.dtype)
+        new_mean = (1 - m) * rm[...] + m * mean
+        new_var = (1 - m) * rv[...] + m * var
+        if counted is not None:  # channels with no unmasked entry keep theirs
+            new_mean = jnp.where(counted, new_mean, rm[...])
+            new_var = jnp.where(counted, new_var, rv[...])
+        rm[...] = new_mean.astype(rm.dtype)
+        rv[...] = new_var.astype(rv.dtype)

@@ -17,7 +17,7 @@ class Counter(eqx.Module):
 
     **Arguments:**
 
-    - `start`: the initial count.
+    - `start`: the initial count (also what `es.reset` writes back).
     - `dtype`: the integer dtype of the count (default int32).
 
     **Example:**
@@ -34,7 +34,7 @@ class Counter(eqx.Module):
     inference: bool = False
 
     def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
-        self.count = CounterState(jnp.asarray(start, dtype=dtype))
+        self.count = CounterState(jnp.asarray(start, dtype=dtype), init=int(start))
         self.inference = inference
 
     @property

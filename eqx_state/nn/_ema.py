@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
-from .._buffer import BatchStat, CounterState, _is_param, is_state, params
+from .._buffer import AverageState, _is_param, is_state, params
 
 
 _Model = TypeVar("_Model")
@@ -17,10 +17,12 @@ class EMA(eqx.Module):
     r"""An exponential moving average (Polyak average) of a model's parameters, kept
     as state.
 
-    The average lives in [`eqx_state.BatchStat`][] cells, so it is not a parameter:
-    [`eqx_state.params`][] leaves it out and no optimizer touches it, even when the
-    `EMA` is stored inside the model it averages. Each `update(model)` (in training
-    mode) does, with $t$ counting the updates after the warm-up,
+    The average and its update count live in [`eqx_state.AverageState`][] cells, so
+    they are not parameters: [`eqx_state.params`][] leaves them out and no optimizer
+    touches them, even when the `EMA` is stored inside the model it averages; and
+    `es.reset(model, es.BatchStat)` (a BatchNorm recalibration) leaves them alone.
+    Each `update(model)` (in training mode) does, with $t$ counting the updates
+    after the warm-up,
 
     $$d_t = \begin{cases} 0 & t \le 0 \text{ (warm-up: copy the value)} \\
     \min(d, \tfrac{t}{t + 9}) & \text{with } \texttt{dynamic\_decay} \\
@@ -44,6 +46,21 @@ class EMA(eqx.Module):
     averaged parameters). In evaluation
     ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) `update` writes nothing.
 
+    **Precision.** The average is kept and computed in `accumulation_dtype`: by
+    default float32 for parameters of a narrower floating dtype (bfloat16,
+    float16) and the parameter's own dtype otherwise. In bfloat16, `0.999` rounds to
+    `1.0` and `1 - 0.999` to `0.00099945`, so an average kept in bfloat16 would
+    never move; kept in float32 it moves by `(1 - d) (p - h)` at every update.
+    `average` and `averaged` cast the result back to each parameter's dtype.
+
+    **How often it updates.** Every `update` call is one averaging step. With
+    `es.make_step(..., microbatches=k)` the loss runs once per slice, so an `update`
+    inside the loss advances the average $k$ times per optimizer step, on the same
+    parameters: the effective decay per optimizer step is $d^k$ and `warmup_length`
+    counts slices. To average once per optimizer step, update outside the loss,
+    after the step: `_, model = es.apply(lambda m: m.ema.update(m.net), model)`
+    (or, in ref mode, `model.ema.update(model.net)`), or pass `decay ** (1 / k)`.
+
     **Arguments:**
 
     - `model`: the model (any pytree) whose parameters ([`eqx_state.params`][]:
@@ -58,6 +75,8 @@ class EMA(eqx.Module):
     - `dynamic_decay`: use $\min(d, \frac{1 + n}{10 + n})$ after $n$ earlier
         updates, so that early averages forget their start quickly. Cannot be
         combined with `zero_debias`.
+    - `accumulation_dtype`: the dtype the average is kept and computed in (default:
+        float32 for narrower floating parameters, else the parameter's dtype).
     - `inference`: start in evaluation mode (no updates).
 
     **Example:**
@@ -87,9 +106,10 @@ class EMA(eqx.Module):
     ```
     """
 
-    hidden: tuple[BatchStat, ...]
-    count: CounterState
+    hidden: tuple[AverageState, ...]
+    count: AverageState
     treedef: Any = eqx.field(static=True)
+    dtypes: tuple[Any, ...] = eqx.field(static=True)
     decay: float = eqx.field(static=True)
     zero_debias: bool = eqx.field(static=True)
     warmup_length: int = eqx.field(static=True)
@@ -104,6 +124,7 @@ class EMA(eqx.Module):
         zero_debias: bool = False,
         warmup_length: int = 0,
         dynamic_decay: bool = False,
+        accumulation_dtype=None,
         inference: bool = False,
     ):
         if not 0.0 <= decay < 1.0:
@@ -130,15 +151,31 @@ class EMA(eqx.Module):
                 "EMA: the model has no parameters to average (no inexact arrays "
                 "outside state cells)."
             )
+        if accumulation_dtype is not None and not jnp.issubdtype(
+            accumulation_dtype, jnp.floating
+        ):
+            raise ValueError(
+                "EMA: accumulation_dtype must be a floating dtype, got "
+                f"{accumulation_dtype}."
+            )
+        dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+        acc = [_accumulation_dtype(dt, accumulation_dtype) for dt in dtypes]
         if zero_debias:
-            init = [jnp.zeros_like(x) for x in leaves]
+            # Reset fill 0: the zero-debiased average starts at zero.
+            self.hidden = tuple(
+                AverageState(jnp.zeros(x.shape, dt), init=0)
+                for x, dt in zip(leaves, acc)
+            )
         else:
-            # A copy, never the parameter array itself: a cell and a parameter
-            # holding one array would be one (tied) buffer inside `make_step`.
-            init = [jnp.array(x, copy=True) for x in leaves]
-        self.hidden = tuple(BatchStat(x) for x in init)
-        self.count = CounterState(jnp.zeros((), jnp.int32))
+            # Starts at the parameters (no scalar fill: a reset keeps the current
+            # average as the new start and restarts the count). Always a copy.
+            self.hidden = tuple(
+                AverageState(jnp.array(x, dtype=dt, copy=True))
+                for x, dt in zip(leaves, acc)
+            )
+        self.count = AverageState(jnp.zeros((), jnp.int32), init=0)
         self.treedef = treedef
+        self.dtypes = dtypes
         self.decay = float(decay)
         self.zero_debias = zero_debias
         self.warmup_length = int(warmup_length)
@@ -185,9 +222,11 @@ class EMA(eqx.Module):
     @property
     def average(self) -> PyTree:
         """The averaged parameters, in the layout of
-        `es.params(model)` (parameters where the model has them, `None` elsewhere).
-        With `zero_debias=True` and no update yet, there is no average: zeros."""
-        return jax.tree_util.tree_unflatten(self.treedef, self._average_leaves())
+        `es.params(model)` (parameters where the model has them, `None` elsewhere),
+        each in its parameter's dtype. With `zero_debias=True` and no update yet,
+        there is no average: zeros."""
+        avg = [a.astype(dt) for a, dt in zip(self._average_leaves(), self.dtypes)]
+        return jax.tree_util.tree_unflatten(self.treedef, avg)
 
     def update(self, model: PyTree) -> None:
         """Fold the current parameters of `model` into the average (nothing in
@@ -212,7 +251,7 @@ class EMA(eqx.Module):
         t = count - self.warmup_length  # Haiku's counter: <= 0 during warm-up
         for cell, x in zip(self.hidden, leaves):
             h = cell[...]
-            dtype = h.dtype
+            dtype = h.dtype  # the accumulation dtype
             d = jnp.asarray(self.decay, dtype)
             if self.dynamic_decay:
                 n = (t - 1).astype(dtype)
@@ -243,3 +282,11 @@ class EMA(eqx.Module):
         _, rest = eqx.partition(model, _is_param, is_leaf=is_state)
         new = jax.tree_util.tree_unflatten(self.treedef, avg)
         return eqx.combine(new, rest, is_leaf=is_state)
+
+
+def _accumulation_dtype(param_dtype: Any, requested: Any) -> Any:
+    if requested is not None:
+        return jnp.dtype(requested)
+    if jnp.issubdtype(param_dtype, jnp.floating) and jnp.finfo(param_dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(param_dtype)

@@ -18,8 +18,9 @@ def _overflow_message(max_len: int) -> str:
         "positions. A cache holds at most max_len positions (prompt plus generated "
         "tokens); writing past the end is refused rather than silently clamped. "
         "Build the cache with a larger max_len (e.g. "
-        "`es.nn.with_kv_cache(model, max_len)`), stop decoding earlier, or call "
-        "`reset()` to start a new sequence."
+        "`es.nn.with_kv_cache(model, max_len)`), stop decoding earlier, or reset "
+        "the cache to start a new sequence (`es.reset(model, es.Cache)`, or "
+        "`cache.reset()`)."
     )
 
 
@@ -29,26 +30,54 @@ class KVCache(eqx.Module):
     `[num_heads, max_len, head_dim]` and an integer `cursor`, the number of
     positions written so far. (Heads first: attention reads each head's keys as one
     contiguous `[max_len, head_dim]` block, so no transposed copy of the cache is
-    made at every step.)
+    made at every step.) The reset fill of all three cells is 0.
 
     [`append`][eqx_state.nn.KVCache.append] writes a chunk (one token, or a whole
     prompt) at the cursor in place (`dynamic_update_slice` on the cell, which XLA
     performs in place: inside a jitted step with donation, or in ref mode, there is
     no second copy of the cache) and advances the cursor.
-    [`reset`][eqx_state.nn.KVCache.reset] sets the cursor back to 0; positions at or
-    after the cursor are never attended to, so old entries need no clearing.
+
+    **Positions past the cursor never reach the output.** Attention masks them out
+    of the logits, and every way of moving the cursor back clears what lies past
+    it: [`reset`][eqx_state.nn.KVCache.reset] (or `es.reset(model, es.Cache)`)
+    writes zeros everywhere and the cursor 0, and
+    [`truncate`][eqx_state.nn.KVCache.truncate] zeros the positions it drops. So
+    a cache that was reset decodes exactly like a fresh one, whatever it held
+    (NaN from an overflow with `on_overflow="nan"`, or from a sequence that
+    contained NaN: a masked position holding NaN would otherwise leak in as
+    `0 * NaN` in the weighted sum of values). Clearing costs one write of the
+    cache per reset; the decoding step itself reads the cache once, with no
+    select over it. (Writing the `cursor` cell by hand skips the clearing: use
+    `reset` / `truncate`.)
+
+    **Batches of sequences.** A cache holds one sequence. For a batch, give every
+    cell a leading batch axis ([`eqx_state.nn.with_kv_cache`][]`(...,
+    batch_size=B)`) and map the per-sequence model with
+    `jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`: every sequence
+    has its own cursor, so prompts of different lengths can be prefilled
+    together, padded to one length (which must fit in `max_len`), and each
+    cursor then set to its prompt's length with
+    [`eqx_state.nn.truncate_kv_cache`][].
 
     **Overflow.** Writing past `max_len` is an error, never a silent clamp:
 
     - when the cursor is a concrete value (eager calls, ref mode or inside
         `es.apply` without `jit`), a [`eqx_state.StateWriteError`][] is raised
         before anything is written;
-    - under `jit` / `scan`, with `on_overflow="raise"` (default) the check is an
-        [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/) on the written keys: the call raises an
-        `equinox.EquinoxRuntimeError` at run time (the usual `EQX_ON_ERROR`
-        environment variable applies). A failing jitted call may already have
-        consumed the cells it was given (donated buffers, or the buffers of ref-mode
-        cells): after such an error, build a fresh cache (e.g. with
+    - under a trace (`jit`, `scan`, `vmap`), with `on_overflow="raise"` (default)
+        the check is an [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/)
+        on the written keys. What is raised at run time depends on what compiled
+        the call: under `eqx.filter_jit` (the decode loops of the docs and the
+        example) an `equinox.EquinoxRuntimeError` carrying the message below; under
+        a plain `jax.jit` (including, at the time of writing, `es.make_apply` and
+        `es.make_step`) the error of the failed XLA callback, whose text contains
+        the same message after Equinox's note that it does not see `filter_jit`:
+        on CPU a `ValueError` ("INTERNAL: CpuCallback error ..."), on other
+        backends a `jax.errors.JaxRuntimeError`. (The usual `EQX_ON_ERROR`
+        environment variable applies: `nan` or `breakpoint` instead of raising.)
+        A failing jitted call may already have consumed the cells it was given
+        (donated buffers, or the buffers of ref-mode cells):
+        after such an error, build a fresh cache (e.g. with
         [`eqx_state.nn.with_kv_cache`][]);
     - with `on_overflow="nan"`, the written keys and values become NaN instead, so
         every later output is NaN, and the computation continues. This check is an
@@ -56,7 +85,7 @@ class KVCache(eqx.Module):
         reads the predicate back to the host at every step.
 
     In both cases the cursor still advances past `max_len`, so every later write
-    is flagged too.
+    is flagged too, until a reset.
 
     **Arguments:**
 
@@ -75,6 +104,8 @@ class KVCache(eqx.Module):
     cache = es.to_refs(es.nn.KVCache(max_len=8, num_heads=2, head_dim=4))
     start, keys, values = cache.append(jnp.ones((3, 2, 4)), jnp.ones((3, 2, 4)))
     assert int(start) == 0 and int(cache.length) == 3
+    cache.truncate(2)
+    assert int(cache.length) == 2 and float(cache.keys[...][:, 2:].sum()) == 0
     cache.reset()
     assert int(cache.length) == 0
     ```
@@ -106,15 +137,16 @@ class KVCache(eqx.Module):
             )
         dtype = jnp.float32 if dtype is None else dtype
         shape = (num_heads, max_len, head_dim)
-        self.keys = Cache(jnp.zeros(shape, dtype))
-        self.values = Cache(jnp.zeros(shape, dtype))
-        self.cursor = Cache(jnp.zeros((), jnp.int32))
+        self.keys = Cache(jnp.zeros(shape, dtype), init=0)
+        self.values = Cache(jnp.zeros(shape, dtype), init=0)
+        self.cursor = Cache(jnp.zeros((), jnp.int32), init=0)
         self.max_len = max_len
         self.on_overflow = on_overflow
 
     @property
-    def length(self) -> Int[Array, ""]:
-        """The number of positions written so far (the cursor)."""
+    def length(self) -> Int[Array, "*batch"]:
+        """The number of positions written so far (the cursor; one per sequence
+        for a cache holding a batch)."""
         return self.cursor[...]
 
     def append(
@@ -146,6 +178,13 @@ class KVCache(eqx.Module):
         [`eqx_state.StateWriteError`][] when the write would pass `max_len` and the
         cursor is concrete; under `jit`, see the class docstring.
         """
+        if self.cursor.value.ndim:
+            raise ValueError(
+                f"KVCache.append: this cache holds a batch of sequences (cursor of "
+                f"shape {tuple(self.cursor.shape)}), and one call appends to one "
+                "sequence. Map the per-sequence model over the batch with "
+                "`jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`."
+            )
         heads, _, head_dim = self.keys.shape
         if keys.shape != values.shape or tuple(keys.shape[1:]) != (heads, head_dim):
             raise ValueError(
@@ -181,6 +220,50 @@ class KVCache(eqx.Module):
         return start, self.keys[...], self.values[...]
 
     def reset(self) -> None:
-        """Start a new sequence: set the cursor to 0 (a state write). Old entries
-        stay in memory but are never attended to."""
-        self.cursor[...] = jnp.zeros((), self.cursor.dtype)
+        """Start a new sequence: write zeros into the keys and values and set the
+        cursor to 0 (state writes; the same as `es.reset(cache, es.Cache)`)."""
+        for cell in (self.keys, self.values, self.cursor):
+            cell[...] = jnp.zeros(cell.shape, cell.dtype)
+
+    def truncate(self, length: int | Int[Array, "*batch"]) -> None:
+        """Keep the first `length` positions and drop the rest: set the cursor to
+        `length` and write zeros into the positions from `length` on (state
+        writes). Use it to rewind (e.g. to a shared prefix), or after prefilling
+        a batch of prompts padded to one length, to set each sequence's cursor to
+        its own prompt length.
+
+        **Arguments:**
+
+        - `length`: the new number of positions, at most the current one; for a
+            cache holding a batch of sequences, one per sequence (or one for all).
+
+        **Raises:**
+
+        [`eqx_state.StateWriteError`][] (concrete values) or, under a trace, an
+        `eqx.error_if` error at run time, when `length` is negative or beyond the
+        cursor.
+        """
+        cursor = self.cursor[...]
+        length = jnp.broadcast_to(jnp.asarray(length), cursor.shape)
+        if not jnp.issubdtype(length.dtype, jnp.integer):
+            raise TypeError(
+                f"KVCache.truncate: length must be an integer, got {length.dtype}."
+            )
+        length = length.astype(cursor.dtype)
+        bad = (length < 0) | (length > cursor)
+        msg = (
+            "KVCache.truncate: the new length must be between 0 and the current "
+            "cursor (positions past the cursor hold nothing to keep)."
+        )
+        if isinstance(bad, jax_core.Tracer) or isinstance(cursor, jax_core.Tracer):
+            length = jnp.asarray(eqx.error_if(length, bad, msg))
+        elif bool(jnp.any(bad)):
+            raise StateWriteError(
+                f"{msg} Got length {length.tolist()} for cursor {cursor.tolist()}."
+            )
+        pos = jnp.arange(self.max_len, dtype=cursor.dtype)
+        keep = pos < length[..., None]  # [*batch, max_len]
+        keep = keep[..., None, :, None]  # against [*batch, heads, max_len, head_dim]
+        for cell in (self.keys, self.values):
+            cell[...] = jnp.where(keep, cell[...], jnp.zeros((), cell.dtype))
+        self.cursor[...] = length

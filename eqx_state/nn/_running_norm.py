@@ -8,7 +8,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Real
 
-from .._buffer import BatchStat, CounterState
+from .._buffer import BatchStat
+from ._axis import axis_size
+
+
+_COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
 
 
 class RunningNorm(eqx.Module):
@@ -32,8 +36,21 @@ class RunningNorm(eqx.Module):
     Before any update the statistics are mean 0, variance 1. For per-example
     code, build it with `axis_name=` and map with [`eqx_state.vmap`][].
 
-    The moments are [`eqx_state.BatchStat`][] cells (float32 by default) and the
-    count an int32 [`eqx_state.CounterState`][] (up to $2^{31} - 1$ inputs).
+    The moments (float32 by default) and the count (int32) are
+    [`eqx_state.BatchStat`][] cells with reset fills mean 0, variance 1, count 0, so
+    `es.reset(model, es.BatchStat)` starts the normaliser over.
+
+    **Long runs.** The count saturates at $2^{31} - 1$ instead of wrapping (an
+    int32 that wrapped would turn the weights negative: variance $-1$, NaN
+    outputs). From there every batch is folded in with weight
+    $n_B / (2^{31} - 1 + n_B)$: a moving average over the last ~$2^{31}$ inputs.
+    (In float32 the moments stop moving long before: a batch of 64 after $2^{30}$
+    inputs has weight $6 \cdot 10^{-8}$, below float32's resolution; use
+    `dtype=jnp.float64`, with `jax_enable_x64`, for such runs.)
+
+    **Merging.** [`merge`][eqx_state.nn.RunningNorm.merge] combines two normalisers'
+    statistics with the same parallel formula, exactly as if one had seen all the
+    inputs of both (e.g. normalisers updated by separate actors or devices).
 
     **Arguments:**
 
@@ -63,7 +80,7 @@ class RunningNorm(eqx.Module):
 
     mean: BatchStat
     var: BatchStat
-    count: CounterState
+    count: BatchStat
     shape: tuple[int, ...] = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     clip: float | None = eqx.field(static=True)
@@ -93,9 +110,9 @@ class RunningNorm(eqx.Module):
         self.clip = clip
         self.axis_name = axis_name
         self.inference = inference
-        self.mean = BatchStat(jnp.zeros(shape, dtype))
-        self.var = BatchStat(jnp.ones(shape, dtype))
-        self.count = CounterState(jnp.zeros((), jnp.int32))
+        self.mean = BatchStat(jnp.zeros(shape, dtype), init=0)
+        self.var = BatchStat(jnp.ones(shape, dtype), init=1)
+        self.count = BatchStat(jnp.zeros((), jnp.int32), init=0)
 
     @property
     def std(self) -> Float[Array, "..."]:
@@ -154,31 +171,101 @@ class RunningNorm(eqx.Module):
         axes = tuple(range(nb))
         expand = (1,) * nb + self.shape
         if self.axis_name is None:
-            batch_n = n
+            batch_n: Array | int = n
             batch_mean = jnp.mean(xc, axis=axes)
             centred = jnp.square(xc - batch_mean.reshape(expand))
             batch_var = jnp.mean(centred, axis=axes)
         else:
             # The batch is spread over the named axis: sum, then centre on the
             # global mean (two passes, as numerically sound as the local case).
-            batch_n = n * jax.lax.psum(1, self.axis_name)
+            batch_n = n * axis_size(self.axis_name, "RunningNorm")
             total = jax.lax.psum(jnp.sum(xc, axis=axes), self.axis_name)
             batch_mean = total / jnp.asarray(batch_n, xc.dtype)
             centred = jnp.square(xc - batch_mean.reshape(expand))
             batch_var = jax.lax.psum(
                 jnp.sum(centred, axis=axes), self.axis_name
             ) / jnp.asarray(batch_n, xc.dtype)
-        mean = self.mean[...].astype(xc.dtype)
-        var = self.var[...].astype(xc.dtype)
-        count = self.count[...]
-        new_count = count + batch_n
-        self.count[...] = new_count
-        # n_B / n' and n / n' in the statistics' dtype; with n = 0 the old moments
-        # get weight 0 and the batch's are copied exactly.
-        b = jnp.asarray(batch_n, xc.dtype) / new_count.astype(xc.dtype)
-        a = count.astype(xc.dtype) / new_count.astype(xc.dtype)
-        delta = batch_mean - mean
-        self.mean[...] = (mean + delta * b).astype(self.mean.dtype)
-        self.var[...] = (var * a + batch_var * b + jnp.square(delta) * (a * b)).astype(
-            self.var.dtype
+        count, mean, var = _combine(
+            (self.count[...], self.mean[...].astype(xc.dtype), self.var[...]),
+            (jnp.asarray(batch_n, jnp.int32), batch_mean, batch_var),
         )
+        self.count[...] = count
+        self.mean[...] = mean.astype(self.mean.dtype)
+        self.var[...] = var.astype(self.var.dtype)
+
+    def merge(self, other: RunningNorm) -> RunningNorm:
+        """Combine the statistics of two normalisers (Chan et al.'s parallel
+        formula): the result's `mean`, `var` and `count` are those of all the inputs
+        either has seen, as if one normaliser had seen them all (up to float
+        rounding). The count saturates as in training.
+
+        Pure: neither normaliser changes; the result is a new value-mode
+        `RunningNorm` with `self`'s configuration (even if the inputs are in ref
+        mode).
+
+        **Arguments:**
+
+        - `other`: a `RunningNorm` of the same `shape` and moment dtype.
+
+        **Returns:**
+
+        A new `RunningNorm` holding the combined statistics.
+
+        **Example:**
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_state as es
+
+        a, b = es.to_refs(es.nn.RunningNorm()), es.to_refs(es.nn.RunningNorm())
+        a(jnp.array([1.0, 2.0]))
+        b(jnp.array([6.0]))
+        both = a.merge(b)
+        print(int(both.count[...]), float(both.mean[...]))  # 3 3.0
+        ```
+        """
+        if not isinstance(other, RunningNorm):
+            raise TypeError(
+                f"RunningNorm.merge needs another RunningNorm, got {type(other).__name__}."
+            )
+        if other.shape != self.shape or other.mean.dtype != self.mean.dtype:
+            raise ValueError(
+                "RunningNorm.merge: the normalisers must have the same shape and "
+                f"dtype, got shape {self.shape} ({self.mean.dtype}) and {other.shape} "
+                f"({other.mean.dtype})."
+            )
+        count, mean, var = _combine(
+            (self.count[...], self.mean[...], self.var[...]),
+            (other.count[...], other.mean[...], other.var[...]),
+        )
+        return eqx.tree_at(
+            lambda m: (m.mean, m.var, m.count),
+            self,
+            (
+                BatchStat(mean.astype(self.mean.dtype), init=0),
+                BatchStat(var.astype(self.var.dtype), init=1),
+                BatchStat(count, init=0),
+            ),
+        )
+
+
+def _combine(
+    a: tuple[Array, Array, Array], b: tuple[Array, Array, Array]
+) -> tuple[Array, Array, Array]:
+    """Chan et al.'s parallel combination of (count, mean, population variance),
+    with a saturating int32 count. The weights are computed in floating point from
+    the counts, so nothing overflows."""
+    (na, ma, va), (nb, mb, vb) = a, b
+    dtype = jnp.result_type(ma, mb)
+    fa, fb = na.astype(dtype), nb.astype(dtype)
+    total = fa + fb
+    safe = jnp.where(total > 0, total, jnp.ones((), dtype))
+    wa = jnp.where(total > 0, fa / safe, jnp.ones((), dtype))  # n_a / n
+    wb = jnp.where(total > 0, fb / safe, jnp.zeros((), dtype))  # n_b / n
+    delta = mb.astype(dtype) - ma.astype(dtype)
+    mean = ma.astype(dtype) + delta * wb
+    var = va.astype(dtype) * wa + vb.astype(dtype) * wb + jnp.square(delta) * (wa * wb)
+    count = jnp.where(
+        na > _COUNT_MAX - nb, jnp.asarray(_COUNT_MAX, jnp.int32), na + nb
+    ).astype(jnp.int32)
+    return count, mean, var

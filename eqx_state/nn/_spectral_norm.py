@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._buffer import BatchStat
+from .._buffer import PowerIterationState
 
 
 _Layer = TypeVar("_Layer")
@@ -60,13 +60,18 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     distribution, normalised, and refined by 15 power iterations (PyTorch's warm
     start).
 
-    The layer is called once per example: a call on an input with extra leading
-    (batch) axes, e.g. `[N, in_features]` for an `eqx.nn.Linear` or `[N, C, H, W]`
-    for an `eqx.nn.Conv2d`, maps the layer over them and runs the power iteration
-    once for the whole batch, like one PyTorch forward. Per-example code works
-    too through [`eqx_state.vmap`][] (`es.vmap(model)(x)`): every example computes
-    the same $u, v$, which are written once. (A plain `jax.vmap` in training mode
-    cannot write state at all; it raises [`eqx_state.StateWriteError`][].)
+    **Batches: one rule for every layer.** The wrapped layer takes one example of
+    rank `input_ndim` (Equinox's convention). A call on an input with more axes
+    maps the layer over the extra leading (batch) axes and runs the power
+    iteration once for the whole batch, like one PyTorch forward; an input of rank
+    `input_ndim` is one example. `input_ndim` is read from Equinox's `Linear` (1, or
+    0 for `in_features="scalar"`) and convolutions (`num_spatial_dims + 1`); any
+    other layer needs it given (a constructor error says so), so that a batch is
+    never silently passed to a layer written for one example. Per-example code
+    works too through [`eqx_state.vmap`][] (`es.vmap(model)(x)`): every example
+    computes the same $u, v$, which are written once. (A plain `jax.vmap` in
+    training mode cannot write state at all; it raises
+    [`eqx_state.StateWriteError`][].)
 
     **Arguments:**
 
@@ -77,8 +82,11 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     - `dim`: the axis of the weight that indexes the outputs. Equinox keeps the
         output axis first for every layer (`ConvTranspose` included), so the
         default 0 is PyTorch's default for each of them.
+    - `input_ndim`: the rank of one input of `layer`; see above. Needed for layers
+        other than `eqx.nn.Linear` / `Conv` / `ConvTranspose`.
     - `inference`: start in evaluation mode.
-    - `key`: a `jax.random.key` for the initial $u, v$.
+    - `key`: a `jax.random.key` for the initial $u, v$ (random, so the cells have
+        no reset fill: `es.reset` leaves them alone).
 
     **Example:**
 
@@ -89,14 +97,16 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     k1, k2 = jax.random.split(jax.random.key(0))
     sn = es.nn.SpectralNorm(eqx.nn.Linear(3, 4, key=k1), key=k2)
     y, sn = es.apply(lambda m, x: m(x), sn, jnp.ones((8, 3)))  # one iteration
-    print(y.shape, sn.sigma)  # (8, 4) and the estimated largest singular value
+    print(y.shape)  # (8, 4)
+    sigma = sn.sigma  # the estimated largest singular value of the weight
     ```
     """
 
     layer: _Layer
-    u: BatchStat
-    v: BatchStat
+    u: PowerIterationState
+    v: PowerIterationState
     weight_name: str = eqx.field(static=True)
+    input_ndim: int = eqx.field(static=True)
     n_power_iterations: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     dim: int = eqx.field(static=True)
@@ -110,6 +120,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         n_power_iterations: int = 1,
         eps: float = 1e-12,
         dim: int = 0,
+        input_ndim: int | None = None,
         inference: bool = False,
         key: PRNGKeyArray,
     ):
@@ -135,6 +146,21 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
                 f"SpectralNorm: dim={dim} is out of range for a weight of shape "
                 f"{weight.shape}."
             )
+        if input_ndim is None:
+            input_ndim = _known_input_ndim(layer)
+            if input_ndim is None:
+                raise ValueError(
+                    f"SpectralNorm cannot tell the rank of one input of "
+                    f"{type(layer).__name__}: pass `input_ndim=` (e.g. 1 for a layer "
+                    "that takes a vector, 3 for one that takes [C, H, W]). A call on an "
+                    "input with more axes maps the layer over the extra leading "
+                    "(batch) axes; an input of that rank is one example."
+                )
+        elif input_ndim < 0:
+            raise ValueError(
+                f"SpectralNorm: input_ndim must be non-negative, got {input_ndim}."
+            )
+        self.input_ndim = int(input_ndim)
         self.layer = layer
         self.weight_name = weight_name
         self.n_power_iterations = n_power_iterations
@@ -142,8 +168,8 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         self.dim = dim % weight.ndim
         self.inference = inference
         u, v = _initial_uv(self._matrix(weight), key, eps)
-        self.u = BatchStat(u)
-        self.v = BatchStat(v)
+        self.u = PowerIterationState(u)
+        self.v = PowerIterationState(v)
 
     def _matrix(self, weight: Array) -> Array:
         w = jnp.moveaxis(weight, self.dim, 0)
@@ -160,21 +186,20 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         value, from the stored $u, v$."""
         return jnp.dot(self.u[...], self._matrix(self.weight) @ self.v[...])
 
-    def _event_ndim(self, x: Array) -> int | None:
+    def _check_input(self, x: Array) -> None:
+        """The shape check: the rank rule for every layer, with the expected
+        feature size named for Equinox's Linear and convolutions."""
         layer: Any = self.layer
         name = type(layer).__name__
-        if isinstance(layer, eqx.nn.Linear):
-            if layer.in_features == "scalar":
-                return 0
+        if isinstance(layer, eqx.nn.Linear) and layer.in_features != "scalar":
             if x.ndim < 1 or x.shape[-1] != layer.in_features:
                 raise ValueError(
                     f"SpectralNorm({name}({layer.in_features}, ...)) got an input of "
                     f"shape {x.shape}: expected [..., {layer.in_features}] (one "
                     "example, or any leading batch axes)."
                 )
-            return 1
-        if isinstance(layer, (eqx.nn.Conv, eqx.nn.ConvTranspose)):
-            event = layer.num_spatial_dims + 1
+        elif isinstance(layer, (eqx.nn.Conv, eqx.nn.ConvTranspose)):
+            event = self.input_ndim
             if x.ndim < event or x.shape[-event] != layer.in_channels:
                 spatial = ", ".join(["..."] * layer.num_spatial_dims)
                 raise ValueError(
@@ -184,8 +209,12 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
                     f"{spatial}] for a batch (channels first, as Equinox convolutions "
                     "take them)."
                 )
-            return event
-        return None
+        elif x.ndim < self.input_ndim:
+            raise ValueError(
+                f"SpectralNorm({name}, input_ndim={self.input_ndim}) got an input of "
+                f"shape {x.shape}: one example has {self.input_ndim} axes, and any "
+                "extra leading axes are batch axes."
+            )
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         """Run the layer with its weight divided by the spectral-norm estimate; in
@@ -193,15 +222,16 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
 
         **Arguments:**
 
-        - `x`: the layer's input: one example, or (for `Linear` and convolutions)
-            a batch with extra leading axes.
+        - `x`: the layer's input: one example (rank `input_ndim`), or a batch of
+            them with extra leading axes.
         - `key`: passed to the layer.
 
         **Returns:**
 
         The layer's output (with the same leading batch axes).
         """
-        event_ndim = self._event_ndim(x)
+        self._check_input(x)
+        event_ndim = self.input_ndim
         weight = self.weight
         mat = self._matrix(weight)
         u, v = self.u[...], self.v[...]
@@ -220,9 +250,19 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         def run(xi: Array) -> Array:
             return layer(xi) if key is None else layer(xi, key=key)  # type: ignore[operator]
 
-        if event_ndim is None or x.ndim == event_ndim:
+        if x.ndim == event_ndim:
             return run(x)
         batch = x.shape[: x.ndim - event_ndim]
         flat = x.reshape((-1,) + x.shape[x.ndim - event_ndim :])
         out = jax.vmap(run)(flat)
         return out.reshape(batch + out.shape[1:])
+
+
+def _known_input_ndim(layer: Any) -> int | None:
+    """The rank of one input of Equinox's layers whose input rank is fixed by their
+    configuration; `None` for any other layer."""
+    if isinstance(layer, eqx.nn.Linear):
+        return 0 if layer.in_features == "scalar" else 1
+    if isinstance(layer, (eqx.nn.Conv, eqx.nn.ConvTranspose)):
+        return layer.num_spatial_dims + 1
+    return None
