@@ -489,12 +489,7 @@ def test_recalibration_with_cumulative_average_matches_torch():
         _, bn = es.apply(lambda m, x: m(x), bn, jnp.asarray(x))
         tbn(torch.from_numpy(x))
 
-    def reset_batch_stats(m):  # TODO(lead): es.reset(m, es.BatchStat) once merged
-        for c in jax.tree.leaves(m, is_leaf=es.is_state):
-            if isinstance(c, es.BatchStat):
-                c[...] = jnp.full(c.shape, c.init, c.dtype)
-
-    _, bn = es.apply(reset_batch_stats, bn)
+    bn = es.reset(bn, es.BatchStat)
     tbn.reset_running_stats()
     for x in batches[2:]:
         _, bn = es.apply(lambda m, x: m(x), bn, jnp.asarray(x))

@@ -43,11 +43,8 @@ def _feed(m, tokens):
 
 
 def reset_caches(model):
-    """What `es.reset(model, es.Cache)` does: every Cache cell back to its fill.
-    TODO(lead): use `es.reset(model, es.Cache)` once eqx_state/_reset.py is on main."""
-    for c in jax.tree.leaves(model, is_leaf=es.is_state):
-        if isinstance(c, es.Cache):
-            c[...] = jnp.full(c.shape, c.init, c.dtype)
+    """Every Cache cell back to its fill, in place (ref mode, or inside a call)."""
+    es.reset(model, es.Cache)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ Each cell with a natural initial value carries it as its reset fill."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,14 +84,7 @@ def test_reset_fills():
 
 
 def _reset_kind(model, kind):
-    """What `es.reset(model, kind)` does (TODO(lead): call es.reset once on main)."""
-
-    def fn(m):
-        for c in _cells(m, kind):
-            if c.init is not None:
-                c[...] = jnp.full(c.shape, c.init, c.dtype)
-
-    return es.apply(fn, model)[1]
+    return es.reset(model, kind)
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
