@@ -22,6 +22,15 @@ from ._errors import (
     StateWriteError as StateWriteError,
     StepError as StepError,
 )
+from ._orbax import (
+    from_orbax as from_orbax,
+    orbax_target as orbax_target,
+    to_orbax as to_orbax,
+)
+from ._serialisation import (
+    deserialise_filter_spec as deserialise_filter_spec,
+    serialise_filter_spec as serialise_filter_spec,
+)
 from ._step import (
     Apply as Apply,
     Step as Step,
