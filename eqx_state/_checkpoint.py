@@ -518,7 +518,7 @@ def _validate_entry(i: int, raw: Any) -> str | None:
     path = raw.get("path")
     if not isinstance(path, str):
         return f"{label} has no string 'path'"
-    label = f"entry {i} ({path})"
+    label = f"entry {i} ({path[:200]})"
     kind = raw.get("kind")
     if kind not in _KINDS:
         return f"{label} has an unknown 'kind' {kind!r}"
@@ -529,7 +529,7 @@ def _validate_entry(i: int, raw: Any) -> str | None:
     unknown = keys - _REQUIRED[kind] - _OPTIONAL[kind]
     if unknown:
         return f"{label} has unknown field(s) {sorted(unknown)}"
-    if raw["dtype"] not in _DTYPES:
+    if not isinstance(raw["dtype"], str) or raw["dtype"] not in _DTYPES:
         return f"{label} has an unknown dtype {raw['dtype']!r}"
     shape = raw["shape"]
     if (
@@ -551,7 +551,8 @@ def _validate_entry(i: int, raw: Any) -> str | None:
     elif kind != "numpy" and shape:
         return f"{label} is a scalar with a non-empty 'shape'"
     if kind == "python":
-        spec = _PYTHON_TYPES.get(raw["python_type"])  # type: ignore[arg-type]
+        pytype = raw["python_type"]
+        spec = _PYTHON_TYPES.get(pytype) if isinstance(pytype, str) else None
         if spec is None or spec[1] != raw["dtype"]:
             return f"{label} has an invalid 'python_type' for dtype {raw['dtype']!r}"
     return None
@@ -672,10 +673,13 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
     if _is_key_dtype(want_dtype) or entry.key_impl is not None:
         got = None
         if entry.key_impl is not None:
-            got = jax.eval_shape(
-                lambda d: jax.random.wrap_key_data(d, impl=entry.key_impl),
-                jax.ShapeDtypeStruct(entry.shape, entry.dtype),
-            )
+            try:
+                got = jax.eval_shape(
+                    lambda d: jax.random.wrap_key_data(d, impl=entry.key_impl),
+                    jax.ShapeDtypeStruct(entry.shape, entry.dtype),
+                )
+            except (TypeError, ValueError):  # data of the wrong shape for the impl
+                got = None
         if got is None or got.dtype != want_dtype or tuple(got.shape) != want_shape:
             held = (
                 f"{entry.describe()} (keys of shape {tuple(got.shape)})"
