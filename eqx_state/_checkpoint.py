@@ -22,11 +22,12 @@ import re
 import secrets
 import stat
 import struct
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from ._errors import StaleModelError, StateError
 
@@ -143,11 +144,7 @@ def _stale_message(where: str) -> str:
 
 def _check_live(x: Any, where: str) -> None:
     """Raise `StaleModelError` if `x` is a JAX array deleted by donation."""
-    if (
-        isinstance(x, jax.Array)
-        and not isinstance(x, jax.core.Tracer)
-        and x.is_deleted()
-    ):
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
         raise StaleModelError(_stale_message(where))
 
 
@@ -224,7 +221,7 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
 
 def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
     """The header entry and the host array of one leaf."""
-    if isinstance(leaf, jax.core.Tracer):
+    if isinstance(leaf, Tracer):
         raise CheckpointError(
             f"Cannot save the leaf at {name}: it is a tracer (`es.save` was called "
             "inside `jax.jit`, `grad` or `vmap`). Save outside transformed code, on the "
@@ -370,7 +367,7 @@ def _remove_stale_temps(folder: str, base: str) -> None:
             os.close(fd)
 
 
-def save(path_or_file: str | os.PathLike | io.IOBase | Any, tree: Any) -> None:
+def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
     """Save every array and scalar of `tree` (parameters, state cells in value or ref
     mode, optimizer state, PRNG keys, metrics) to one file.
 
@@ -418,14 +415,14 @@ def save(path_or_file: str | os.PathLike | io.IOBase | Any, tree: Any) -> None:
     ```
     """
     blob = _encode_tree(tree)
-    if hasattr(path_or_file, "write"):
-        if isinstance(path_or_file, io.TextIOBase):
-            raise CheckpointError(
-                "`es.save` needs a binary file: open it with mode 'wb', not 'w'."
-            )
-        path_or_file.write(blob)
+    if isinstance(path_or_file, str | os.PathLike):
+        _write_path(os.fspath(path_or_file), blob)
         return
-    _write_path(os.fspath(path_or_file), blob)
+    if isinstance(path_or_file, io.TextIOBase):
+        raise CheckpointError(
+            "`es.save` needs a binary file: open it with mode 'wb', not 'w'."
+        )
+    cast(Any, path_or_file).write(blob)
 
 
 # --------------------------------------------------------------------------------------
@@ -710,9 +707,7 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
 def _placement(leaf: Any) -> Any:
     """Where a restored JAX array goes: `like`'s sharding when it has one."""
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.Array) and (
-        isinstance(leaf, jax.core.Tracer) or leaf.is_deleted()
-    ):
+    if isinstance(leaf, jax.Array) and (isinstance(leaf, Tracer) or leaf.is_deleted()):
         return None
     return sharding
 
@@ -747,7 +742,7 @@ def _build(name: str, where: str, entry: _Entry, blob: bytes, leaf: Any) -> Any:
     return value
 
 
-def load(path_or_file: str | os.PathLike | io.IOBase | Any, like: Any) -> Any:
+def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
     """Load a checkpoint written by [`eqx_state.save`][] into the structure of `like`.
 
     Everything is checked before any array is built, and any problem raises

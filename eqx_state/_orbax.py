@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from ._checkpoint import (
     _DTYPES,
@@ -24,7 +25,7 @@ def _where(path: Any) -> str:
 
 
 def _saveable(path: Any, x: Any) -> Any:
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         raise CheckpointError(
             f"Cannot checkpoint the leaf at {_where(path)}: it is a tracer (the save "
             "was called inside `jax.jit`, `grad` or `vmap`). Save outside transformed "
@@ -237,14 +238,14 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
     ):
         return like  # not saved: Python values come from `like`
     if _is_python_scalar(like):
-        return type(like)(np.asarray(got).item())
+        return type(like)(np.asarray(got).item())  # pyright: ignore[reportCallIssue]
     if isinstance(like, np.generic):
         return np.asarray(got, dtype=np.asarray(like).dtype)[()]
     if isinstance(like, np.ndarray):
         return np.asarray(got)
     if isinstance(like, jax.Ref):
         return jax.new_ref(got, kind=getattr(jax.typeof(like), "kind", None))
-    if isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer):
+    if isinstance(like, jax.Array) and not isinstance(like, Tracer):
         if like.is_deleted():
             return got
     if getattr(like, "weak_type", False) and not getattr(got, "weak_type", False):
