@@ -135,9 +135,10 @@ def _is_key_dtype(dtype: Any) -> bool:
 
 def _stale_message(where: str) -> str:
     return (
-        f"{where} holds an array that was donated to an earlier step and deleted: this "
-        "model (or optimizer state) was consumed by a donating `es.make_step` step. "
-        "Save the model that the step returned, or build the step with "
+        f"{where} holds an array whose buffer was donated and deleted: this model (or "
+        "optimizer state) was consumed by a donating `es.make_step` step (or, in ref "
+        "mode, by a jitted call that failed: JAX donates ref arguments). Save the model "
+        "that the step returned, or build the step with "
         "`es.make_step(..., donate=False)` to keep the old one as a valid snapshot."
     )
 
@@ -272,7 +273,9 @@ def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
     return entry, arr
 
 
-def _encode_tree(tree: Any) -> bytes:
+def _encode_tree(tree: Any) -> list[Any]:
+    """The file as a list of byte buffers (prefix and header, then each leaf's bytes
+    without a copy), to be written in order and followed by their SHA-256."""
     entries = []
     chunks = []
     seen: set[str] = set()
@@ -290,15 +293,29 @@ def _encode_tree(tree: Any) -> bytes:
         entries.append(
             {"path": name, "dtype": arr.dtype.name, "shape": list(arr.shape), **entry}
         )
-        chunks.append(arr.tobytes())
+        chunks.append(arr.reshape(-1).view(np.uint8))
     header = json.dumps(
         {"entries": entries}, sort_keys=True, separators=(",", ":")
     ).encode()
-    body = b"".join([_MAGIC, _PREFIX.pack(_VERSION, len(header)), header, *chunks])
-    return body + hashlib.sha256(body).digest()
+    return [_MAGIC + _PREFIX.pack(_VERSION, len(header)) + header, *chunks]
 
 
-def _write_path(path: str, blob: bytes) -> None:
+def _write_parts(write: Any, parts: list[Any]) -> None:
+    digest = hashlib.sha256()
+    for part in parts:
+        part = memoryview(part).cast("B")
+        digest.update(part)
+        write(part)
+    write(digest.digest())
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_path(path: str, parts: list[Any]) -> None:
     target = os.path.realpath(path)  # a symlink is written through, to its target
     if os.path.isdir(target):
         raise CheckpointError(
@@ -318,9 +335,7 @@ def _write_path(path: str, blob: bytes) -> None:
             mode = None
         if mode is not None and hasattr(os, "fchmod"):
             os.fchmod(fd, mode)  # an overwritten checkpoint keeps its mode
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_parts(lambda data: _write_all(fd, data), parts)
         os.fsync(fd)
         os.replace(tmp, target)
     except BaseException:
@@ -414,15 +429,15 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
     bn3 = es.load(buffer, like=bn)
     ```
     """
-    blob = _encode_tree(tree)
+    parts = _encode_tree(tree)
     if isinstance(path_or_file, str | os.PathLike):
-        _write_path(os.fspath(path_or_file), blob)
+        _write_path(os.fspath(path_or_file), parts)
         return
     if isinstance(path_or_file, io.TextIOBase):
         raise CheckpointError(
             "`es.save` needs a binary file: open it with mode 'wb', not 'w'."
         )
-    cast(Any, path_or_file).write(blob)
+    _write_parts(cast(Any, path_or_file).write, parts)
 
 
 # --------------------------------------------------------------------------------------
@@ -576,7 +591,7 @@ def _parse(name: str, blob: bytes) -> list[_Entry]:
             f"{name} is truncated or corrupt: its header length ({header_len} bytes) "
             "runs past the end of the file."
         )
-    if hashlib.sha256(blob[:body_end]).digest() != blob[body_end:]:
+    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != blob[body_end:]:
         raise CheckpointError(
             f"{name} is truncated or corrupt: its bytes do not match the checksum "
             "at its end."

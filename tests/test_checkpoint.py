@@ -287,6 +287,21 @@ def test_saving_a_model_consumed_by_a_donating_step(tmp_path):
     es.save(tmp_path / "c", new_model)  # the returned model saves fine
 
 
+def test_saving_a_ref_mode_model_whose_buffers_a_failed_call_consumed(tmp_path):
+    """JAX donates ref arguments to a jitted call, even one that then fails."""
+    model = es.to_refs(es.Buffer(jnp.ones(2)))
+
+    @jax.jit
+    def fails(m):
+        v = m.value[...]
+        return eqx.error_if(v, v[0] > 0, "boom")
+
+    with pytest.raises(Exception, match="boom"):
+        fails(model)
+    with pytest.raises(es.StaleModelError, match=r"\.value .*donated and deleted"):
+        es.save(tmp_path / "c", model)
+
+
 def test_python_values_that_are_not_numbers_come_from_like(tmp_path):
     tree = {"act": jax.nn.relu, "name": "a", "p": 0.5, "flag": False}
     es.save(tmp_path / "c", tree)
