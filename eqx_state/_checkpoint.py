@@ -13,6 +13,7 @@ previous one's, so offsets are implied and cannot disagree with the data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -159,6 +160,7 @@ def _read_ref(ref: Any, where: str) -> jax.Array:
         raise
 
 
+@functools.cache
 def _key_impl_of_dtype(dtype: Any) -> str:
     """The name of the PRNG implementation of a typed-key dtype (`key<fry>` ->
     `threefry2x32`), using public JAX only."""
@@ -172,6 +174,7 @@ def _key_impl_of_dtype(dtype: Any) -> str:
     )
 
 
+@functools.cache
 def _weak_fill(dtype: Any) -> Any:
     """A Python scalar whose weakly typed JAX array has dtype `dtype`, or None."""
     fill = {"b": False, "i": 0, "u": 0, "f": 0.0, "c": 0j}.get(np.dtype(dtype).kind)
