@@ -22,7 +22,16 @@ from ._errors import (
     StepError as StepError,
 )
 from ._modes import freeze as freeze, to_refs as to_refs
+from ._orbax import (
+    from_orbax as from_orbax,
+    orbax_target as orbax_target,
+    to_orbax as to_orbax,
+)
 from ._reset import reset as reset
+from ._serialisation import (
+    deserialise_filter_spec as deserialise_filter_spec,
+    serialise_filter_spec as serialise_filter_spec,
+)
 from ._step import (
     Apply as Apply,
     Step as Step,

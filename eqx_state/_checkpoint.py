@@ -1,251 +1,865 @@
-"""Checkpoints of any mix of parameters, state cells (either mode), optimizer state,
-counters, RNG keys and metrics. A plain, code-free file format: loading never
-unpickles or evaluates anything."""
+"""`es.save` / `es.load`: single-file checkpoints of any mix of parameters, state cells
+(either mode), optimizer state, PRNG keys and metrics. A plain, code-free format:
+loading never unpickles or evaluates anything, and every byte is checksummed.
+
+Layout of a file (all integers little-endian):
+
+    b"EQXSTATE" | u32 version | u64 header length | JSON header | payload | SHA-256
+
+The SHA-256 covers everything before it (magic, version, header and payload). The
+header lists one entry per saved leaf, in payload order; each leaf's bytes follow the
+previous one's, so offsets are implied and cannot disagree with the data.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import json
+import math
 import os
+import re
+import secrets
+import stat
 import struct
-import tempfile
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
-from ._buffer import _REF_KIND, _is_ref
-from ._compat import with_weak_type
-from ._errors import StateError
+from ._buffer import is_state
+from ._errors import StaleModelError, StateError
+
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 
 _MAGIC = b"EQXSTATE"
-_VERSION = 1
+_VERSION = 2
+_PREFIX = struct.Struct("<IQ")
+_FIXED = len(_MAGIC) + _PREFIX.size
+_DIGEST = 32  # bytes of SHA-256
+_MAX_NDIM = 64
+_TMP_SUFFIX = ".eqxs-tmp"
+
+_DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "int2",
+    "int4",
+    "uint2",
+    "uint4",
+    "float4_e2m1fn",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
+
+
+def _known_dtypes() -> dict[str, np.dtype]:
+    out = {}
+    for name in _DTYPE_NAMES:
+        try:
+            dtype = np.dtype(jnp.dtype(name))
+        except TypeError:  # pragma: no cover - depends on the ml_dtypes version
+            continue
+        if dtype.name == name:
+            out[name] = dtype
+    return out
+
+
+_DTYPES = _known_dtypes()
+# Python scalars are stored as 0-d arrays of the matching 64-bit dtype.
+_PYTHON_TYPES: dict[str, tuple[type, str]] = {
+    "bool": (bool, "bool"),
+    "int": (int, "int64"),
+    "float": (float, "float64"),
+    "complex": (complex, "complex128"),
+}
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_KINDS = ("jax", "numpy", "numpy_scalar", "python")
+_REQUIRED = {
+    "jax": {"path", "kind", "dtype", "shape", "weak_type", "ref"},
+    "numpy": {"path", "kind", "dtype", "shape"},
+    "numpy_scalar": {"path", "kind", "dtype", "shape"},
+    "python": {"path", "kind", "dtype", "shape", "python_type"},
+}
+_OPTIONAL = {
+    "jax": {"key_impl"},
+    "numpy": set(),
+    "numpy_scalar": set(),
+    "python": set(),
+}
 
 
 class CheckpointError(StateError):
-    """A checkpoint that cannot be loaded: missing, truncated or corrupt, or whose
-    tree, shapes or dtypes differ from the model it is loaded into."""
+    """A checkpoint that cannot be saved or loaded: a missing, truncated, corrupt or
+    malformed file; a tree, shape, dtype or array kind that differs from the model it
+    is loaded into; or a leaf that no checkpoint could restore (a string or object
+    array, a value inside a `jit` trace)."""
+
+
+# --------------------------------------------------------------------------------------
+# Leaves: what is saved, and facts about it shared with the Equinox and Orbax helpers.
+
+
+def _is_python_scalar(x: Any) -> bool:
+    return type(x) in (bool, int, float, complex)
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _stale_message(where: str) -> str:
+    return (
+        f"{where} holds an array whose buffer was donated and deleted: this model (or "
+        "optimizer state) was consumed by a donating `es.make_step` step (or, in ref "
+        "mode, by a jitted call that failed: JAX donates ref arguments). Save the model "
+        "that the step returned, or build the step with "
+        "`es.make_step(..., donate=False)` to keep the old one as a valid snapshot."
+    )
+
+
+def _check_live(x: Any, where: str) -> None:
+    """Raise `StaleModelError` if `x` is a JAX array deleted by donation."""
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
+        raise StaleModelError(_stale_message(where))
+
+
+def _read_ref(ref: Any, where: str) -> jax.Array:
+    """A snapshot (a copy) of the value of a ref-mode cell."""
+    try:
+        return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
+    except RuntimeError as e:  # a ref whose buffer was donated
+        if "delete" in str(e).lower() or "donat" in str(e).lower():
+            raise StaleModelError(_stale_message(where)) from e
+        raise
+
+
+@functools.cache
+def _key_impl_of_dtype(dtype: Any) -> str:
+    """The name of the PRNG implementation of a typed-key dtype (`key<fry>` ->
+    `threefry2x32`), using public JAX only."""
+    for name in _KEY_IMPLS:
+        if jax.eval_shape(lambda n=name: jax.random.key(0, impl=n)).dtype == dtype:
+            return name
+    raise CheckpointError(
+        f"Typed PRNG keys of dtype {dtype} use an implementation that eqx_state "
+        f"cannot name (it knows {', '.join(_KEY_IMPLS)}). Save `jax.random.key_data` "
+        "of the key instead."
+    )
+
+
+@functools.cache
+def _weak_fill(dtype: Any) -> Any:
+    """A Python scalar whose weakly typed JAX array has dtype `dtype`, or None."""
+    fill = {"b": False, "i": 0, "u": 0, "f": 0.0, "c": 0j}.get(np.dtype(dtype).kind)
+    if fill is None:
+        return None
+    template = jax.eval_shape(lambda: jax.lax.full((), fill))
+    if template.dtype != dtype or not template.weak_type:
+        return None
+    return fill
+
+
+def _make_weak(x: jax.Array) -> jax.Array:
+    """`x` as a weakly typed array (what `jnp.asarray(1.0)` gives), public JAX only: a
+    weakly typed fill updated with the values keeps its weak type."""
+    fill = _weak_fill(x.dtype)
+    if fill is None:
+        raise CheckpointError(
+            f"JAX cannot rebuild a weakly typed {x.dtype} array with public functions."
+        )
+    return jax.lax.full(x.shape, fill).at[...].set(x)
+
+
+# --------------------------------------------------------------------------------------
+# Saving.
 
 
 def _is_saved(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or _is_ref(x)
+    return isinstance(
+        x, (jax.Array, jax.Ref, np.ndarray, np.generic)
+    ) or _is_python_scalar(x)
 
 
-def _is_witness(path: tuple) -> bool:
-    # a ref-mode cell's shape witness (`Buffer.witness`): derived, not saved
-    return bool(path) and getattr(path[-1], "name", None) == "witness"
+def _little(arr: np.ndarray) -> np.ndarray:
+    """The array in the file's byte order (little-endian), contiguous."""
+    return np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
 
 
-def _entries(tree: Any) -> list[tuple[str, Any]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [
-        (jax.tree_util.keystr(path), leaf)
-        for path, leaf in leaves
-        if _is_saved(leaf) and not _is_witness(path)
-    ]
+def _check_dtype(name: str, dtype: np.dtype) -> None:
+    if dtype.name not in _DTYPES:
+        raise CheckpointError(
+            f"Cannot save the leaf at {name}: it is an array of dtype {dtype} "
+            f"({dtype.kind!r} kind), which no checkpoint can restore as an array "
+            "(strings, objects, records and dates are not numbers). Keep such values "
+            "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`), "
+            "or convert them to a numeric array."
+        )
 
 
-def _host_value(leaf: Any) -> tuple[np.ndarray, dict[str, Any]]:
-    meta: dict[str, Any] = {}
-    if _is_ref(leaf):
-        meta["ref"] = True
-        leaf = jax.freeze(leaf)  # outside a trace this is a copy: the ref stays valid
-    if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            meta["key_impl"] = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
-        meta["weak_type"] = bool(getattr(leaf, "weak_type", False))
-    arr = np.asarray(leaf)
-    return arr, meta
+def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
+    """The header entry and the host array of one leaf."""
+    if isinstance(leaf, Tracer):
+        raise CheckpointError(
+            f"Cannot save the leaf at {name}: it is a tracer (`es.save` was called "
+            "inside `jax.jit`, `grad` or `vmap`). Save outside transformed code, on the "
+            "values the transformed function returns."
+        )
+    if _is_python_scalar(leaf):
+        type_name = type(leaf).__name__
+        dtype = _PYTHON_TYPES[type_name][1]
+        if type_name == "int" and not -(2**63) <= leaf < 2**63:
+            raise CheckpointError(
+                f"Cannot save the leaf at {name}: the Python int {leaf} does not fit in "
+                "64 bits."
+            )
+        entry = {"kind": "python", "python_type": type_name}
+        return entry, np.asarray(leaf, dtype=dtype)
+    if isinstance(leaf, np.generic):
+        arr = _little(np.asarray(leaf))
+        _check_dtype(name, arr.dtype)
+        return {"kind": "numpy_scalar"}, arr
+    if isinstance(leaf, np.ndarray):
+        arr = _little(leaf)
+        _check_dtype(name, arr.dtype)
+        return {"kind": "numpy"}, arr
+    entry: dict[str, Any] = {"kind": "jax", "ref": isinstance(leaf, jax.Ref)}
+    if isinstance(leaf, jax.Ref):
+        leaf = _read_ref(leaf, f"The ref-mode cell at {name}")
+    _check_live(leaf, f"The leaf at {name}")
+    if not leaf.is_fully_addressable:
+        raise CheckpointError(
+            f"Cannot save the leaf at {name}: it is sharded over devices of several "
+            "processes, which a single-file checkpoint cannot gather. Use Orbax "
+            "(`es.to_orbax`, see the checkpointing guide), which writes each "
+            "process's shards."
+        )
+    if _is_key_dtype(leaf.dtype):
+        entry["key_impl"] = _key_impl_of_dtype(leaf.dtype)
+        leaf = jax.random.key_data(leaf)
+    weak = bool(getattr(leaf, "weak_type", False))
+    arr = _little(np.asarray(leaf))
+    _check_dtype(name, arr.dtype)
+    if weak and _weak_fill(arr.dtype) is None:
+        raise CheckpointError(
+            f"Cannot save the leaf at {name}: it is a weakly typed {arr.dtype} array, "
+            "which public JAX cannot rebuild. Give it a definite dtype with "
+            "`jnp.asarray(x, dtype=x.dtype)` first."
+        )
+    entry["weak_type"] = weak
+    return entry, arr
 
 
-def save(path: str | os.PathLike, tree: Any) -> None:
-    """Save every array of `tree` (parameters, state cells in value or ref mode,
-    optimizer state, PRNG keys, metrics) to `path`.
+def _witness_paths(tree: Any) -> set[str]:
+    """The paths of ref-mode cells' shape witnesses (`Buffer.witness`): derived from
+    the cell, so neither saved nor loaded (a checkpoint of a ref-mode model loads
+    into a value-mode one and back)."""
+    out = set()
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        if is_state(node) and node.witness is not None:
+            key = (*path, jax.tree_util.GetAttrKey("witness"))
+            out.add(jax.tree_util.keystr(key))
+    return out
 
-    The write is atomic: the data go to a temporary file in the same folder, which
-    then replaces `path`, so a crash mid-save never leaves a corrupt checkpoint. The
-    format is a JSON header (paths, dtypes, shapes, a SHA-256 of the data) followed
-    by the raw bytes; nothing in it is executable. Python values in `tree` (flags,
-    activation functions) are not saved: they come from `like` at load time.
+
+def _encode_tree(tree: Any) -> list[Any]:
+    """The file as a list of byte buffers (prefix and header, then each leaf's bytes
+    without a copy), to be written in order and followed by their SHA-256."""
+    entries = []
+    chunks = []
+    seen: set[str] = set()
+    witnesses = _witness_paths(tree)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not _is_saved(leaf) or jax.tree_util.keystr(path) in witnesses:
+            continue
+        name = jax.tree_util.keystr(path)
+        if name in seen:
+            raise CheckpointError(
+                f"Two leaves of the tree have the same path {name}; a checkpoint "
+                "names each leaf by its path. Give the pytree nodes distinct keys."
+            )
+        seen.add(name)
+        entry, arr = _encode(name, leaf)
+        entries.append(
+            {"path": name, "dtype": arr.dtype.name, "shape": list(arr.shape), **entry}
+        )
+        chunks.append(arr.reshape(-1).view(np.uint8))
+    header = json.dumps(
+        {"entries": entries}, sort_keys=True, separators=(",", ":")
+    ).encode()
+    return [_MAGIC + _PREFIX.pack(_VERSION, len(header)) + header, *chunks]
+
+
+def _write_parts(write: Any, parts: list[Any]) -> None:
+    digest = hashlib.sha256()
+    for part in parts:
+        part = memoryview(part).cast("B")
+        digest.update(part)
+        write(part)
+    write(digest.digest())
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_path(path: str, parts: list[Any]) -> None:
+    target = os.path.realpath(path)  # a symlink is written through, to its target
+    if os.path.isdir(target):
+        raise CheckpointError(
+            f"Cannot save to {path!r}: it is a directory. Give a file name."
+        )
+    folder, base = os.path.split(target)
+    _remove_stale_temps(folder, base)
+    tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
+    try:
+        if fcntl is not None:  # held while writing: a live save is never cleaned
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode)
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)  # an overwritten checkpoint keeps its mode
+        _write_parts(lambda data: _write_all(fd, data), parts)
+        os.fsync(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temps(folder: str, base: str) -> None:
+    """Delete the temporary files that killed saves of the same target left behind.
+    A save holds a lock on its temporary file until it ends, so a file that can be
+    locked belongs to no live save."""
+    if fcntl is None:  # pragma: no cover - Windows
+        return
+    pattern = re.compile(
+        re.escape(f".{base}.") + r"[0-9a-f]{12}" + re.escape(_TMP_SUFFIX)
+    )
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        stale = os.path.join(folder, name)
+        try:
+            fd = os.open(stale, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a save in progress
+            continue
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
+    """Save every array and scalar of `tree` (parameters, state cells in value or ref
+    mode, optimizer state, PRNG keys, metrics) to one file.
+
+    What is saved, per leaf: JAX arrays (with dtype, shape and weak type; typed PRNG
+    keys with their implementation; ref-mode cells by their current value), NumPy
+    arrays and NumPy scalars (kept NumPy, 64-bit dtypes included), and Python `bool`,
+    `int`, `float` and `complex` leaves (as Equinox does, so e.g. non-static flags
+    come back as saved). Other Python values (activation functions, strings, static
+    fields) are not saved: they come from `like` at load time.
+
+    `save` refuses, with a [`eqx_state.CheckpointError`][] naming the leaf, anything
+    [`eqx_state.load`][] could not restore exactly: string, object or record arrays,
+    tracers (a call inside `jit`), Python ints beyond 64 bits, arrays sharded over
+    several processes (use Orbax for those). A model consumed by a donating step
+    raises [`eqx_state.StaleModelError`][].
+
+    Writing to a path is atomic: the bytes go to a temporary file next to the target
+    (`.NAME.XXXXXXXXXXXX.eqxs-tmp`), which then replaces it, so a crash mid-save never
+    leaves a corrupt checkpoint and the previous one stays intact. A temporary file left
+    by a killed save is deleted by the next save of the same target. A new file gets
+    the permissions `open` would give (the umask applies); an overwritten file keeps
+    its permissions; a symbolic link is written through (the link stays, its target is
+    replaced).
 
     **Arguments:**
 
-    - `path`: the file to write.
+    - `path_or_file`: the file to write, or a binary file object (`io.BytesIO`, a
+        file opened with `"wb"`), written from its current position.
     - `tree`: any pytree, e.g. `(model, opt_state)`.
 
     **Example:**
 
     ```python
+    import io
     import eqx_state as es
 
     bn = es.nn.BatchNorm(3)
     es.save("/tmp/bn.eqxs", bn)
     bn2 = es.load("/tmp/bn.eqxs", like=bn)
+
+    buffer = io.BytesIO()
+    es.save(buffer, bn)
+    buffer.seek(0)
+    bn3 = es.load(buffer, like=bn)
     ```
     """
-    path = os.fspath(path)
-    entries = []
-    chunks = []
-    offset = 0
-    digest = hashlib.sha256()
-    for name, leaf in _entries(tree):
-        arr, meta = _host_value(leaf)
-        data = np.ascontiguousarray(arr).tobytes()
-        entries.append(
-            {
-                "path": name,
-                "dtype": arr.dtype.name,
-                "shape": list(arr.shape),
-                "offset": offset,
-                "nbytes": len(data),
-                **meta,
-            }
-        )
-        digest.update(data)
-        chunks.append(data)
-        offset += len(data)
-    header = json.dumps(
-        {"version": _VERSION, "entries": entries, "sha256": digest.hexdigest()}
-    ).encode()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".eqxs-", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<IQ", _VERSION, len(header)) + header)
-            for data in chunks:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _read(path: str) -> tuple[dict[str, Any], bytes]:
-    if not os.path.exists(path):
-        raise CheckpointError(f"No checkpoint at {path!r}.")
-    with open(path, "rb") as f:
-        blob = f.read()
-    fixed = len(_MAGIC) + struct.calcsize("<IQ")
-    if len(blob) < fixed or not blob.startswith(_MAGIC):
+    parts = _encode_tree(tree)
+    if isinstance(path_or_file, str | os.PathLike):
+        _write_path(os.fspath(path_or_file), parts)
+        return
+    if isinstance(path_or_file, io.TextIOBase):
         raise CheckpointError(
-            f"{path!r} is not an eqx_state checkpoint (bad magic bytes): it is "
-            "truncated, corrupt, or was written by something else."
+            "`es.save` needs a binary file: open it with mode 'wb', not 'w'."
         )
-    version, header_len = struct.unpack("<IQ", blob[len(_MAGIC) : fixed])
+    _write_parts(cast(Any, path_or_file).write, parts)
+
+
+# --------------------------------------------------------------------------------------
+# Loading: read, verify the checksum, validate the header, match `like`, then build.
+
+
+class _Entry:
+    __slots__ = (
+        "path",
+        "kind",
+        "dtype",
+        "shape",
+        "weak",
+        "key_impl",
+        "pytype",
+        "start",
+    )
+
+    def __init__(self, raw: dict[str, Any], start: int):
+        self.path: str = raw["path"]
+        self.kind: str = raw["kind"]
+        self.dtype: np.dtype = _DTYPES[raw["dtype"]]
+        self.shape: tuple[int, ...] = tuple(raw["shape"])
+        self.weak: bool = raw.get("weak_type", False)
+        self.key_impl: str | None = raw.get("key_impl")
+        self.pytype: type | None = (
+            _PYTHON_TYPES[raw["python_type"]][0] if self.kind == "python" else None
+        )
+        self.start = start
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        if self.key_impl is not None:
+            return f"a typed PRNG key array ({self.key_impl}) of data {self.dtype.name}{self.shape}"
+        return f"{self.dtype.name}{self.shape}"
+
+
+def _read_blob(path_or_file: Any) -> tuple[str, bytes]:
+    if hasattr(path_or_file, "read"):
+        name = repr(getattr(path_or_file, "name", "<file object>"))
+        if isinstance(path_or_file, io.TextIOBase):
+            raise CheckpointError(
+                f"The file object {name} is in text mode: open checkpoints in binary "
+                "mode ('rb')."
+            )
+        try:
+            blob = path_or_file.read()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"Cannot read the checkpoint {name}: {e}") from e
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise CheckpointError(
+                f"The file object {name} returned {type(blob).__name__}, not bytes: "
+                "open checkpoints in binary mode ('rb')."
+            )
+        return name, bytes(blob)
+    path = os.fspath(path_or_file)
+    name = repr(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"No checkpoint at {name}.")
+    try:
+        with open(path, "rb") as f:
+            return name, f.read()
+    except OSError as e:  # a directory, no permission, ...
+        raise CheckpointError(
+            f"Cannot read the checkpoint {name}: {e.strerror or e}."
+        ) from e
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _validate_entry(i: int, raw: Any) -> str | None:
+    """The first thing wrong with header entry `i`, or None."""
+    if not isinstance(raw, dict):
+        return f"entry {i} is a {type(raw).__name__}, not an object"
+    label = f"entry {i}"
+    path = raw.get("path")
+    if not isinstance(path, str):
+        return f"{label} has no string 'path'"
+    label = f"entry {i} ({path[:200]})"
+    kind = raw.get("kind")
+    if kind not in _KINDS:
+        return f"{label} has an unknown 'kind' {kind!r}"
+    keys = set(raw)
+    missing = _REQUIRED[kind] - keys
+    if missing:
+        return f"{label} lacks the field(s) {sorted(missing)}"
+    unknown = keys - _REQUIRED[kind] - _OPTIONAL[kind]
+    if unknown:
+        return f"{label} has unknown field(s) {sorted(unknown)}"
+    if not isinstance(raw["dtype"], str) or raw["dtype"] not in _DTYPES:
+        return f"{label} has an unknown dtype {raw['dtype']!r}"
+    shape = raw["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_NDIM
+        or not all(_is_int(d) and d >= 0 for d in shape)
+    ):
+        return f"{label} has a 'shape' that is not a list of non-negative integers"
+    if kind == "jax":
+        if type(raw["weak_type"]) is not bool or type(raw["ref"]) is not bool:
+            return f"{label} has a non-boolean 'weak_type' or 'ref'"
+        if "key_impl" in raw:
+            if raw["key_impl"] not in _KEY_IMPLS:
+                return f"{label} has an unknown 'key_impl' {raw['key_impl']!r}"
+            if raw["dtype"] != "uint32" or raw["weak_type"]:
+                return f"{label} is a PRNG key whose data are not strong uint32"
+        if raw["weak_type"] and _weak_fill(_DTYPES[raw["dtype"]]) is None:
+            return f"{label} is weakly typed with a dtype that cannot be weak"
+    elif kind != "numpy" and shape:
+        return f"{label} is a scalar with a non-empty 'shape'"
+    if kind == "python":
+        pytype = raw["python_type"]
+        spec = _PYTHON_TYPES.get(pytype) if isinstance(pytype, str) else None
+        if spec is None or spec[1] != raw["dtype"]:
+            return f"{label} has an invalid 'python_type' for dtype {raw['dtype']!r}"
+    return None
+
+
+def _parse(name: str, blob: bytes) -> list[_Entry]:
+    """Verify and parse a whole file. Any problem raises `CheckpointError`; nothing is
+    allocated beyond the header's Python objects."""
+    if len(blob) < _FIXED + _DIGEST or not blob.startswith(_MAGIC):
+        raise CheckpointError(
+            f"{name} is not an eqx_state checkpoint (bad magic bytes or too short): "
+            "it is truncated, corrupt, or was written by something else."
+        )
+    version, header_len = _PREFIX.unpack_from(blob, len(_MAGIC))
     if version != _VERSION:
         raise CheckpointError(
-            f"{path!r} has checkpoint format version {version}; this eqx_state reads "
-            f"version {_VERSION}."
+            f"{name} has checkpoint format version {version}; this eqx_state reads "
+            f"version {_VERSION}. (Version 1 files, from eqx_state 0.1 before its "
+            "whole-file checksum, must be re-saved with the version that wrote them.)"
+        )
+    body_end = len(blob) - _DIGEST
+    if header_len > body_end - _FIXED:
+        raise CheckpointError(
+            f"{name} is truncated or corrupt: its header length ({header_len} bytes) "
+            "runs past the end of the file."
+        )
+    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != blob[body_end:]:
+        raise CheckpointError(
+            f"{name} is truncated or corrupt: its bytes do not match the checksum "
+            "at its end."
         )
     try:
-        header = json.loads(blob[fixed : fixed + header_len].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{path!r} is truncated or corrupt: its header cannot be read."
-        ) from e
-    data = blob[fixed + header_len :]
-    expected = sum(int(e["nbytes"]) for e in header["entries"])
-    if len(data) != expected:
-        raise CheckpointError(
-            f"{path!r} is truncated or corrupt: {len(data)} bytes of data, the header "
-            f"lists {expected}."
+        header = json.loads(
+            blob[_FIXED : _FIXED + header_len].decode("utf-8"),
+            object_pairs_hook=_no_duplicate_keys,
         )
-    if hashlib.sha256(data).hexdigest() != header["sha256"]:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{name} has a malformed header: {e}.") from e
+    if not isinstance(header, dict) or set(header) != {"entries"}:
         raise CheckpointError(
-            f"{path!r} is corrupt: the data do not match the checksum in its header."
+            f"{name} has a malformed header: expected an object with exactly the key "
+            "'entries'."
         )
-    return header, data
+    raws = header["entries"]
+    if not isinstance(raws, list):
+        raise CheckpointError(
+            f"{name} has a malformed header: 'entries' is not a list."
+        )
+    entries = []
+    seen: set[str] = set()
+    offset = _FIXED + header_len
+    for i, raw in enumerate(raws):
+        problem = _validate_entry(i, raw)
+        if problem is None and raw["path"] in seen:
+            problem = f"entry {i} ({raw['path']}) repeats the path of an earlier entry"
+        if problem is None:
+            entry = _Entry(raw, offset)
+            offset += entry.nbytes
+            if offset > body_end:
+                problem = f"entry {i} ({entry.path}) runs past the end of the data"
+        if problem is not None:
+            raise CheckpointError(f"{name} has a malformed header: {problem}.")
+        seen.add(entry.path)
+        entries.append(entry)
+    if offset != body_end:
+        raise CheckpointError(
+            f"{name} is corrupt: its header lists {offset - _FIXED - header_len} bytes "
+            f"of data but it holds {body_end - _FIXED - header_len}."
+        )
+    return entries
 
 
-def load(path: str | os.PathLike, like: Any) -> Any:
+_KIND_WORDS = {
+    "jax": "a JAX array",
+    "numpy": "a NumPy array",
+    "numpy_scalar": "a NumPy scalar",
+    "python": "a Python scalar",
+}
+
+
+def _like_kind(leaf: Any) -> str:
+    if isinstance(leaf, (jax.Array, jax.Ref)):
+        return "jax"
+    if isinstance(leaf, np.ndarray):
+        return "numpy"
+    if isinstance(leaf, np.generic):
+        return "numpy_scalar"
+    if _is_python_scalar(leaf):
+        return "python"
+    return "abstract"  # jax.ShapeDtypeStruct: any array kind
+
+
+def _is_loaded(x: Any) -> bool:
+    return _is_saved(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
+    kind = _like_kind(leaf)
+    if kind == "abstract":
+        if entry.kind == "python":
+            kind = "python"  # an abstract leaf is never a Python scalar
+    if kind != "abstract" and kind != entry.kind:
+        raise CheckpointError(
+            f"At {where} the checkpoint {name} holds {_KIND_WORDS[entry.kind]} but "
+            f"`like` holds {_KIND_WORDS.get(kind, type(leaf).__name__)}. Build `like` "
+            "the way the saved tree was built."
+        )
+    if kind == "python":
+        if type(leaf) is not entry.pytype:
+            raise CheckpointError(
+                f"At {where} the checkpoint {name} holds a Python "
+                f"{entry.pytype.__name__} but `like` holds a "  # type: ignore[union-attr]
+                f"{type(leaf).__name__}."
+            )
+        return
+    want_dtype = np.asarray(leaf).dtype if kind == "numpy_scalar" else leaf.dtype
+    want_shape = tuple(np.shape(leaf)) if kind == "numpy_scalar" else tuple(leaf.shape)
+    if _is_key_dtype(want_dtype) or entry.key_impl is not None:
+        got = None
+        if entry.key_impl is not None:
+            try:
+                got = jax.eval_shape(
+                    lambda d: jax.random.wrap_key_data(d, impl=entry.key_impl),
+                    jax.ShapeDtypeStruct(entry.shape, entry.dtype),
+                )
+            except (TypeError, ValueError):  # data of the wrong shape for the impl
+                got = None
+        if got is None or got.dtype != want_dtype or tuple(got.shape) != want_shape:
+            held = (
+                f"{entry.describe()} (keys of shape {tuple(got.shape)})"
+                if got is not None
+                else entry.describe()
+            )
+            raise CheckpointError(
+                f"At {where} the checkpoint {name} holds {held} but the model expects "
+                f"{want_dtype}{want_shape}. Build `like` with the same keys (typed "
+                "`jax.random.key` vs raw `jax.random.PRNGKey`, same implementation)."
+            )
+        return
+    same_dtype = entry.dtype.name == np.dtype(want_dtype).name
+    if kind == "abstract" and entry.kind != "jax":
+        # `eqx.filter_eval_shape` describes a NumPy int64 leaf as int32 when JAX runs
+        # without x64: the NumPy leaf is restored with its saved 64-bit dtype.
+        same_dtype = (
+            same_dtype or jax.dtypes.canonicalize_dtype(entry.dtype) == want_dtype
+        )
+    if entry.shape != want_shape or not same_dtype:
+        raise CheckpointError(
+            f"At {where} the checkpoint {name} holds {entry.describe()} but the model "
+            f"expects {np.dtype(want_dtype).name}{want_shape}. Build `like` with the same "
+            "sizes and dtypes as the saved model."
+        )
+
+
+def _placement(leaf: Any) -> Any:
+    """Where a restored JAX array goes: `like`'s sharding when it has one."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(leaf, jax.Array) and (isinstance(leaf, Tracer) or leaf.is_deleted()):
+        return None
+    return sharding
+
+
+def _build(name: str, where: str, entry: _Entry, blob: bytes, leaf: Any) -> Any:
+    arr = np.frombuffer(
+        blob,
+        dtype=entry.dtype.newbyteorder("<"),
+        count=math.prod(entry.shape),
+        offset=entry.start,
+    ).reshape(entry.shape)
+    arr = arr.astype(entry.dtype, copy=False)  # native byte order (a copy if not)
+    if entry.kind == "python":
+        return entry.pytype(arr.item())  # type: ignore[misc]
+    if entry.kind == "numpy_scalar":
+        return arr.copy()[()]
+    if entry.kind == "numpy":
+        return arr.copy()
+    value = jax.device_put(arr, _placement(leaf), may_alias=False)
+    if value.dtype != entry.dtype:
+        raise CheckpointError(
+            f"At {where} the checkpoint {name} holds a JAX {entry.dtype.name} array, "
+            f"which this JAX turns into {value.dtype} (64-bit types need "
+            "`jax.config.update('jax_enable_x64', True)`)."
+        )
+    if entry.key_impl is not None:
+        value = jax.random.wrap_key_data(value, impl=entry.key_impl)
+    elif entry.weak:
+        value = _make_weak(value)
+    if isinstance(leaf, jax.Ref):
+        value = jax.new_ref(value, kind=getattr(jax.typeof(leaf), "kind", None))
+    return value
+
+
+def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
     """Load a checkpoint written by [`eqx_state.save`][] into the structure of `like`.
 
-    Everything is checked before anything is built: the file must hold exactly the
-    arrays of `like` (same paths), with the same shapes and dtypes, or a
-    [`eqx_state.CheckpointError`][] names the first mismatching path — never a
-    partially loaded model. Cells that are refs in `like` get new refs (ref mode
-    stays ref mode); tied cells stay tied; weak types are restored, so a resumed step
-    does not recompile.
+    Everything is checked before any array is built, and any problem raises
+    [`eqx_state.CheckpointError`][] naming the file and the first bad entry — never a
+    partially loaded model, never other values than those saved:
+
+    1. **Integrity**: the magic bytes and format version, then a SHA-256 of the
+       whole file (header and data), so any truncation or flipped bit is detected.
+    2. **Structure of the header**: known fields only, of the right types; known
+       dtypes; shapes of non-negative integers; no path twice; the leaves' data
+       exactly fill the file. (An unreadable file, a directory or a text-mode file
+       object also raise `CheckpointError`.)
+    3. **Against `like`**: the file holds exactly the leaves of `like` (same paths,
+       none missing, none extra), each with the same shape and dtype, the same array
+       kind (JAX array, NumPy array, NumPy scalar, or the same Python scalar type) and,
+       for PRNG keys, the same kind of key (typed with the same implementation, or
+       raw `uint32` data).
+
+    What comes back: each leaf with the dtype, shape, weak type and kind it was saved
+    with (NumPy `int64`/`float64` stay 64-bit NumPy; typed keys stay typed). The storage
+    mode comes from `like`: where `like` holds a ref (ref mode), a new ref is made.
+    Each position gets its own array (two positions that held one array object
+    become two independent arrays). Leaves of `like` that are `jax.ShapeDtypeStruct`s
+    (from `eqx.filter_eval_shape`) are filled with the saved array (JAX or NumPy, as
+    saved), placed on the struct's sharding if it has one, so a large model is never
+    allocated twice. Python values that are not saved (functions, static fields) come
+    from `like`.
 
     **Arguments:**
 
-    - `path`: the file to read.
-    - `like`: a tree of the same structure (e.g. a freshly initialised
-        `(model, opt_state)`); its Python values are kept, its arrays replaced.
+    - `path_or_file`: the file to read, or a binary file object (read from its
+        current position).
+    - `like`: a tree of the same structure, e.g. a freshly initialised
+        `(model, opt_state)`, or `eqx.filter_eval_shape` of the function that makes it.
 
     **Returns:**
 
     A tree like `like` holding the saved values.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx
+    import eqx_state as es
+
+    es.save("/tmp/bn.eqxs", es.nn.BatchNorm(3))
+    abstract = eqx.filter_eval_shape(es.nn.BatchNorm, 3)  # allocates nothing
+    bn = es.load("/tmp/bn.eqxs", like=abstract)
+    bn_refs = es.load("/tmp/bn.eqxs", like=es.to_refs(es.nn.BatchNorm(3)))  # ref mode
+    ```
     """
-    path = os.fspath(path)
-    header, data = _read(path)
-    saved = {e["path"]: e for e in header["entries"]}
+    name, blob = _read_blob(path_or_file)
+    entries = _parse(name, blob)
+    saved = {e.path: e for e in entries}
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-    wanted = [
-        (jax.tree_util.keystr(p), leaf)
-        for p, leaf in flat
-        if _is_saved(leaf) and not _is_witness(p)
-    ]
-    names = [n for n, _ in wanted]
-    for name, leaf in wanted:
-        if name not in saved:
+    witnesses = _witness_paths(like)
+    wanted: list[tuple[int, str, Any]] = []
+    for i, (p, leaf) in enumerate(flat):
+        where = jax.tree_util.keystr(p)
+        if _is_loaded(leaf) and where not in witnesses:
+            wanted.append((i, where, leaf))
+    for _, where, leaf in wanted:
+        if where not in saved:
             raise CheckpointError(
-                f"The checkpoint {path!r} has no array at {name}: it was saved from a "
+                f"The checkpoint {name} has no array at {where}: it was saved from a "
                 "different model or optimizer. Load it into the structure it was saved "
                 "from."
             )
-        entry = saved[name]
-        want_shape = tuple(leaf.shape)
-        want_dtype = leaf.dtype
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raw = jax.eval_shape(
-                jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            )
-            want_shape, want_dtype = tuple(raw.shape), raw.dtype
-        if (
-            tuple(entry["shape"]) != want_shape
-            or entry["dtype"] != np.dtype(want_dtype).name
-        ):
-            raise CheckpointError(
-                f"At {name} the checkpoint {path!r} holds {entry['dtype']}"
-                f"{tuple(entry['shape'])} but the model expects "
-                f"{np.dtype(want_dtype).name}{want_shape}. Build `like` with the same "
-                "sizes and dtypes as the saved model."
-            )
-    extra = sorted(set(saved) - set(names))
+        _check_against(name, where, saved[where], leaf)
+    names = {where for _, where, _ in wanted}
+    if len(names) != len(wanted):
+        raise CheckpointError(
+            "Two leaves of `like` have the same path; a checkpoint names each leaf by "
+            "its path. Give the pytree nodes distinct keys."
+        )
+    extra = [e.path for e in entries if e.path not in names]
     if extra:
         raise CheckpointError(
-            f"The checkpoint {path!r} holds an array at {extra[0]} that `like` does not "
+            f"The checkpoint {name} holds an array at {extra[0]} that `like` does not "
             "have: it was saved from a different model or optimizer."
         )
-    out = []
-    for p, leaf in flat:
-        if not _is_saved(leaf) or _is_witness(p):
-            out.append(leaf)
-            continue
-        e = saved[jax.tree_util.keystr(p)]
-        raw = data[e["offset"] : e["offset"] + e["nbytes"]]
-        arr = np.frombuffer(raw, dtype=np.dtype(jnp.dtype(e["dtype"]))).reshape(
-            e["shape"]
-        )
-        value: Any = jnp.array(arr)
-        if "key_impl" in e:
-            value = jax.random.wrap_key_data(value, impl=e["key_impl"])
-        elif e.get("weak_type"):
-            value = _weak(value)
-        if isinstance(leaf, np.ndarray):
-            value = np.asarray(value)
-        if _is_ref(leaf):
-            value = jax.new_ref(value, kind=_REF_KIND)
-        out.append(value)
+    out = [leaf for _, leaf in flat]
+    for i, where, leaf in wanted:
+        out[i] = _build(name, where, saved[where], blob, leaf)
+    for i, (p, leaf) in enumerate(flat):
+        if jax.tree_util.keystr(p) in witnesses and not isinstance(leaf, jax.Array):
+            out[i] = jnp.zeros(leaf.shape, leaf.dtype)  # an abstract `like`
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _weak(x: jax.Array) -> Any:
-    return with_weak_type(x, x.dtype, True)

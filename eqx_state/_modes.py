@@ -81,6 +81,29 @@ def _map_cells_with_path(fn: Any, tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_state)
 
 
+def without_witnesses(tree: Any) -> Any:
+    """`tree` with the shape witnesses of its ref-mode cells removed: the structure
+    of the tree in value mode, for code that stores cells (checkpoints)."""
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        return buf if buf.witness is None else _rebuild(buf, witness=None)
+
+    return _map_cells_with_path(one, tree)
+
+
+def with_witnesses(tree: Any) -> Any:
+    """`tree` with a shape witness in every cell that holds a ref (the inverse of
+    `without_witnesses`, for cells rebuilt around new refs)."""
+
+    def one(path: str, buf: Buffer) -> Buffer:
+        v = buf.value
+        if not _is_ref(v) or buf.witness is not None:
+            return buf
+        return _rebuild(buf, witness=_witness(v))
+
+    return _map_cells_with_path(one, tree)
+
+
 def check_no_shared_refs(tree: Any) -> None:
     """Refuse a tree in which one ref sits at two positions (see the module
     docstring). Refs are mutable objects: their identity is what makes two positions

@@ -613,9 +613,7 @@ class Metric(eqx.Module):
         # one of the same shape merge alike
         mine = jax.tree_util.tree_structure(self, is_leaf=is_state)
         theirs = jax.tree_util.tree_structure(other, is_leaf=is_state)
-        shapes = [
-            (type(c), c.shape, c.dtype) for c in self._statistic_cells().values()
-        ]
+        shapes = [(type(c), c.shape, c.dtype) for c in self._statistic_cells().values()]
         other_shapes = [
             (type(c), c.shape, c.dtype) for c in other._statistic_cells().values()
         ]

@@ -1,0 +1,287 @@
+"""Orbax checkpoints of models and optimizer states of either storage mode: the two
+conversions around Orbax's own `StandardSave` / `StandardRestore`. Orbax is not
+imported here (it is an optional extra); these functions only shape the trees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.core import Tracer
+
+from ._checkpoint import (
+    _DTYPES,
+    CheckpointError,
+    _check_live,
+    _is_python_scalar,
+    _make_weak,
+    _read_ref,
+)
+from ._modes import with_witnesses, without_witnesses
+
+
+def _where(path: Any) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def _saveable(path: Any, x: Any) -> Any:
+    if isinstance(x, Tracer):
+        raise CheckpointError(
+            f"Cannot checkpoint the leaf at {_where(path)}: it is a tracer (the save "
+            "was called inside `jax.jit`, `grad` or `vmap`). Save outside transformed "
+            "code."
+        )
+    if isinstance(x, jax.Ref):
+        return _read_ref(x, f"The ref-mode cell at {_where(path)}")
+    if isinstance(x, jax.Array):
+        _check_live(x, f"The leaf at {_where(path)}")
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        x = np.asarray(x)  # Orbax stores NumPy scalars as 0-d arrays
+        if x.dtype.name not in _DTYPES:
+            raise CheckpointError(
+                f"Cannot checkpoint the leaf at {_where(path)}: an array of dtype "
+                f"{x.dtype} is not numeric. Keep it out of the saved tree (e.g. as a "
+                "static field)."
+            )
+        return x
+    if _is_python_scalar(x):
+        return np.asarray(x) if isinstance(x, complex) else x
+    return None  # functions, strings, static configuration: not state
+
+
+def to_orbax(tree: Any) -> Any:
+    """The tree that Orbax's `StandardSave` writes for `tree` (a model, an optimizer
+    state, or any pytree of them), in either storage mode.
+
+    Ref-mode cells are replaced by a snapshot (a copy) of their value, so a ref-mode
+    model keeps training while Orbax writes in the background; leaves that are not
+    arrays or numbers (activation functions, strings) become `None`, which Orbax
+    skips. JAX arrays pass through unchanged, shardings included (Orbax writes each
+    shard); typed PRNG keys are saved by Orbax as typed keys.
+
+    Raises [`eqx_state.StaleModelError`][] if `tree` was consumed by a donating step
+    (save the model the step returned), and [`eqx_state.CheckpointError`][] for a
+    tracer or a non-numeric array.
+
+    **Arguments:**
+
+    - `tree`: any pytree, e.g. `(model, opt_state)`.
+
+    **Returns:**
+
+    A pytree of arrays and numbers for `orbax.checkpoint.args.StandardSave`.
+
+    **Example:**
+
+    ```python
+    import tempfile
+    import orbax.checkpoint as ocp
+    import eqx_state as es
+
+    model = es.to_refs(es.nn.BatchNorm(3))
+    with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+        manager.save(0, args=ocp.args.StandardSave(es.to_orbax(model)))
+        manager.wait_until_finished()
+        target = es.orbax_target(model, manager.item_metadata(0))
+        restored = manager.restore(0, args=ocp.args.StandardRestore(target))
+    model = es.from_orbax(restored, like=model)  # ref mode again
+    ```
+    """
+    return jax.tree_util.tree_map_with_path(_saveable, without_witnesses(tree))
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.Ref):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if isinstance(x, jax.Array):
+        sharding = None if x.is_deleted() else x.sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        return np.asarray(x)  # restored as NumPy
+    if _is_python_scalar(x):
+        return np.asarray(x) if isinstance(x, complex) else x
+    return None
+
+
+def _orbax_name(path: Any) -> str:
+    """The name Orbax gives the leaf at `path` (`0.bn.running_mean.value`)."""
+    parts = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:  # pragma: no cover - a key type Orbax would also not know
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _saved_leaves(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        raise CheckpointError(
+            "`metadata` is None: a `CheckpointManager` that has not saved this item "
+            "in the current process cannot read its metadata unless it knows the "
+            "handler. Build it with "
+            "`ocp.CheckpointManager(directory, item_handlers=ocp.StandardCheckpointHandler())`."
+        )
+    tree = getattr(metadata, "tree", metadata)  # a TreeMetadata, or its tree
+    leaves = jax.tree_util.tree_leaves(tree)
+    out = {}
+    for leaf in leaves:
+        name = getattr(leaf, "name", None)
+        if name is None or not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+            raise CheckpointError(
+                "`metadata` must be what Orbax's `CheckpointManager.item_metadata(step)` "
+                f"returns for a `StandardSave` checkpoint; it holds {type(leaf).__name__}."
+            )
+        out[str(name)] = leaf
+    return out
+
+
+def _checked_target(path: Any, x: Any, saved: dict[str, Any]) -> Any:
+    target = _abstract(x)
+    if target is None:
+        return None
+    where = jax.tree_util.keystr(path)
+    meta = saved.get(_orbax_name(path))
+    if meta is None:
+        raise CheckpointError(
+            f"The Orbax checkpoint has no array at {where}: it was saved from a "
+            "different model or optimizer. Restore into the structure it was saved from."
+        )
+    got_dtype, got_shape = np.dtype(meta.dtype), tuple(meta.shape)
+    if _is_python_scalar(x) and not isinstance(x, complex):
+        kinds = {bool: "b", int: "iu", float: "f"}[type(x)]
+        if got_shape != () or got_dtype.kind not in kinds:
+            raise CheckpointError(
+                f"At {where} the Orbax checkpoint holds {got_dtype.name}{got_shape} but "
+                f"the model expects a Python {type(x).__name__}."
+            )
+        return target
+    want = target
+    if jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
+        want = jax.eval_shape(jax.random.key_data, target)  # keys are saved as data
+    want_dtype, want_shape = np.dtype(want.dtype), tuple(want.shape)
+    from_numpy = getattr(meta, "sharding", None) is None
+    if (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and from_numpy
+        and got_shape == want_shape
+        and jax.dtypes.canonicalize_dtype(got_dtype) == want_dtype
+    ):
+        # `eqx.filter_eval_shape` describes a NumPy int64 leaf as int32 (JAX without
+        # x64): restore the NumPy leaf with its saved dtype instead of casting it.
+        return np.zeros(got_shape, got_dtype)
+    if got_shape != want_shape or got_dtype != want_dtype:
+        raise CheckpointError(
+            f"At {where} the Orbax checkpoint holds {got_dtype.name}{got_shape} but the "
+            f"model expects {want_dtype.name}{want_shape}. Build `like` with the same "
+            "sizes and dtypes as the saved model (Orbax itself would cast silently)."
+        )
+    return target
+
+
+def orbax_target(like: Any, metadata: Any) -> Any:
+    """The abstract tree to give Orbax's `StandardRestore` so that it restores into the
+    structure, dtypes and shardings of `like` — after checking `like` against what the
+    checkpoint holds.
+
+    JAX arrays and refs of `like` become `jax.ShapeDtypeStruct`s (with the array's
+    sharding, so a sharded model is restored sharded); `jax.ShapeDtypeStruct` leaves
+    (from `eqx.filter_eval_shape`: nothing allocated) are kept; NumPy leaves stay
+    NumPy; other Python values become `None` (not restored).
+
+    `metadata` (`manager.item_metadata(step)`) is required because Orbax casts a saved
+    array to the target's dtype without a word: here every leaf of `like` must exist in
+    the checkpoint with the same shape and dtype, or a [`eqx_state.CheckpointError`][]
+    names the first that differs; the checkpoint may not hold leaves `like` lacks.
+    (A NumPy `int64` leaf that `eqx.filter_eval_shape` describes as `int32` is restored
+    as the saved NumPy `int64`.)
+
+    **Arguments:**
+
+    - `like`: a tree like the saved one: a freshly built `(model, opt_state)` in
+        either mode, or `eqx.filter_eval_shape` of the function that builds it.
+    - `metadata`: what `CheckpointManager.item_metadata(step)` returns for the step
+        being restored.
+
+    **Returns:**
+
+    A pytree for `orbax.checkpoint.args.StandardRestore`.
+    """
+    saved = _saved_leaves(metadata)
+    like = without_witnesses(like)
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, x: _checked_target(p, x, saved), like
+    )
+    wanted = {
+        _orbax_name(p)
+        for p, x in jax.tree_util.tree_flatten_with_path(target)[0]
+        if x is not None
+    }
+    extra = sorted(set(saved) - wanted)
+    if extra:
+        raise CheckpointError(
+            f"The Orbax checkpoint holds an array named {extra[0]!r} that `like` does "
+            "not have: it was saved from a different model or optimizer."
+        )
+    return target
+
+
+def _rebuild(path: Any, like: Any, got: Any) -> Any:
+    if got is None or not (
+        isinstance(like, jax.Array | jax.Ref | jax.ShapeDtypeStruct | np.ndarray)
+        or isinstance(like, np.generic)
+        or _is_python_scalar(like)
+    ):
+        return like  # not saved: Python values come from `like`
+    if _is_python_scalar(like):
+        return type(like)(np.asarray(got).item())  # pyright: ignore[reportCallIssue]
+    if isinstance(like, np.generic):
+        return np.asarray(got, dtype=np.asarray(like).dtype)[()]
+    if isinstance(like, np.ndarray):
+        return np.asarray(got)
+    if isinstance(like, jax.Ref):
+        return jax.new_ref(got, kind=getattr(jax.typeof(like), "kind", None))
+    if isinstance(like, jax.Array) and not isinstance(like, Tracer):
+        if like.is_deleted():
+            return got
+    if getattr(like, "weak_type", False) and not getattr(got, "weak_type", False):
+        return _make_weak(got)
+    return got
+
+
+def from_orbax(restored: Any, like: Any) -> Any:
+    """Rebuild the model (or any tree) that [`eqx_state.to_orbax`][] saved, from what
+    Orbax's `StandardRestore` returned.
+
+    Where `like` holds a ref (ref mode), the result holds a new ref with the restored
+    value; NumPy scalars and Python numbers come back as their `like` type; weakly
+    typed arrays of `like` come back weakly typed; Python values that were not saved
+    (activation functions, flags' static parts) come from `like`.
+
+    **Arguments:**
+
+    - `restored`: what `CheckpointManager.restore(step, args=StandardRestore(
+        es.orbax_target(like, metadata)))` returned.
+    - `like`: the tree given to [`eqx_state.orbax_target`][].
+
+    **Returns:**
+
+    A tree with the structure and storage mode of `like`, holding the restored values.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(without_witnesses(like))
+    try:
+        got = treedef.flatten_up_to(restored)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(
+            "What Orbax restored does not have the structure of `like`: restore with "
+            "`StandardRestore(es.orbax_target(like, metadata))` and pass the same "
+            "`like` here."
+        ) from e
+    out = [_rebuild(p, leaf, g) for (p, leaf), g in zip(flat, got)]
+    return with_witnesses(jax.tree_util.tree_unflatten(treedef, out))

@@ -1,0 +1,168 @@
+"""Equinox's own serialisation (`eqx.tree_serialise_leaves` / `tree_deserialise_leaves`)
+with eqx_state models: what works with Equinox's defaults, what they lose, and
+`es.serialise_filter_spec` / `es.deserialise_filter_spec`, which save everything."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _checkpoint_helpers import assert_tree_exact
+
+import eqx_state as es
+
+
+class Plain(eqx.Module):
+    """Parameters and state cells, no PRNG key."""
+
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    steps: es.nn.Counter
+    scale: jax.Array
+
+    def __init__(self, seed=0):
+        self.lin = eqx.nn.Linear(3, 4, key=jax.random.key(seed))
+        self.bn = es.nn.BatchNorm(4)
+        self.steps = es.nn.Counter()
+        self.scale = jnp.asarray(2.0)  # weakly typed
+
+    def __call__(self, x):
+        self.steps.increment()
+        return self.scale * self.bn(jax.vmap(self.lin)(x))
+
+
+class WithKey(Plain):
+    key: es.RngState
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.key = es.RngState(jax.random.key(seed + 1))
+
+    def __call__(self, x):
+        k1, k2 = jax.random.split(self.key[...])
+        self.key[...] = k1
+        return super().__call__(x + 0.01 * jax.random.normal(k2, x.shape))
+
+
+def root_cause(e):
+    """Equinox wraps a filter spec's error in `TreePathError`s ("Error at leaf ...")."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+@functools.cache
+def trained(cls, mode):
+    model = cls()
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.adam(1e-2))
+    opt_state = step.init(model)
+    for i in range(2):
+        model, opt_state = step(model, opt_state, jnp.arange(12.0).reshape(4, 3) + i)
+    return model
+
+
+def test_equinox_defaults_round_trip_a_value_mode_model(tmp_path):
+    model = trained(Plain, "value")
+    assert float(model.bn.running_mean[...][0]) != 0.0
+    eqx.tree_serialise_leaves(tmp_path / "m.eqx", model)
+    loaded = eqx.tree_deserialise_leaves(tmp_path / "m.eqx", Plain(seed=5))
+    # exact, except that Equinox's `jnp.load` returns strongly typed arrays
+    assert not loaded.scale.weak_type
+    loaded = eqx.tree_at(lambda m: m.scale, loaded, jnp.asarray(float(loaded.scale)))
+    assert_tree_exact(loaded, model)
+    # and into an abstract model, Equinox's own idiom
+    abstract = eqx.filter_eval_shape(Plain, 5)
+    loaded = eqx.tree_deserialise_leaves(tmp_path / "m.eqx", abstract)
+    np.testing.assert_array_equal(loaded.bn.running_var[...], model.bn.running_var[...])
+
+
+def test_equinox_defaults_skip_ref_mode_state(tmp_path):
+    """Pinned so that docs/equinox.md stays true: Equinox's default filter spec writes
+    nothing for a `jax.Ref` (it is not an array to Equinox), so a ref-mode model loses
+    its state silently with the defaults."""
+    model = trained(Plain, "ref")
+    eqx.tree_serialise_leaves(tmp_path / "refs.eqx", model)
+    without_refs = jax.tree.map(lambda x: None if isinstance(x, jax.Ref) else x, model)
+    eqx.tree_serialise_leaves(tmp_path / "no_refs.eqx", without_refs)
+    assert (tmp_path / "refs.eqx").read_bytes() == (
+        tmp_path / "no_refs.eqx"
+    ).read_bytes()
+    fresh = es.to_refs(Plain())
+    loaded = eqx.tree_deserialise_leaves(tmp_path / "refs.eqx", fresh)
+    assert loaded.bn.running_mean.value is fresh.bn.running_mean.value  # not loaded
+    assert float(loaded.bn.running_mean[...][0]) == 0.0
+
+
+def test_equinox_defaults_cannot_write_typed_keys(tmp_path):
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_serialise_leaves(tmp_path / "k.eqx", WithKey())
+    assert "PRNGKey dtype" in str(root_cause(info.value))
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("cls", [Plain, WithKey])
+def test_es_filter_specs_round_trip_exactly(tmp_path, mode, cls):
+    model = trained(cls, mode)
+    path = tmp_path / "m.eqx"
+    eqx.tree_serialise_leaves(path, model, filter_spec=es.serialise_filter_spec)
+    like = cls(seed=5)
+    like = es.to_refs(like) if mode == "ref" else like
+    loaded = eqx.tree_deserialise_leaves(
+        path, like, filter_spec=es.deserialise_filter_spec
+    )
+    assert_tree_exact(loaded, model)  # weak types, typed keys and refs included
+    if mode == "ref":
+        loaded.steps.increment()  # a new ref: the saved model is not written
+        assert int(loaded.steps.value[...]) == int(model.steps.value[...]) + 1
+
+
+def test_es_filter_specs_write_the_ref_state(tmp_path):
+    """With the es filter specs a ref-mode model's state is in the file: every cell's
+    bytes, as its frozen (value-mode) copy holds them (Equinox's default writes none
+    of them)."""
+    model = trained(Plain, "ref")
+    eqx.tree_serialise_leaves(
+        tmp_path / "a.eqx", model, filter_spec=es.serialise_filter_spec
+    )
+    eqx.tree_serialise_leaves(tmp_path / "b.eqx", model)  # Equinox's default
+    data = (tmp_path / "a.eqx").read_bytes()
+    frozen = es.freeze(model)
+    for cell in jax.tree.leaves(frozen, is_leaf=es.is_state):
+        if es.is_state(cell):
+            assert np.asarray(cell[...]).tobytes() in data
+            assert (
+                np.asarray(cell[...]).tobytes() not in (tmp_path / "b.eqx").read_bytes()
+                or not np.asarray(cell[...]).any()
+            )
+
+
+def test_es_filter_specs_refuse_a_consumed_model(tmp_path):
+    model = Plain()
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(1e-2))
+    step(model, step.init(model), jnp.ones((4, 3)))
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_serialise_leaves(
+            tmp_path / "m.eqx", model, filter_spec=es.serialise_filter_spec
+        )
+    assert isinstance(root_cause(info.value), es.StaleModelError)
+    assert "donate=False" in str(root_cause(info.value))
+
+
+def test_es_filter_specs_reject_a_different_ref_shape(tmp_path):
+    eqx.tree_serialise_leaves(
+        tmp_path / "m.eqx",
+        es.to_refs(es.nn.BatchNorm(3)),
+        filter_spec=es.serialise_filter_spec,
+    )
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_deserialise_leaves(
+            tmp_path / "m.eqx",
+            es.to_refs(es.nn.BatchNorm(4)),
+            filter_spec=es.deserialise_filter_spec,
+        )
+    assert isinstance(root_cause(info.value), es.CheckpointError)

@@ -1,0 +1,348 @@
+"""Orbax checkpoints through `es.to_orbax` / `es.orbax_target` / `es.from_orbax` and
+Orbax's own `CheckpointManager` + `StandardSave` / `StandardRestore`: every leaf type
+in both storage modes, keep-last-N and save-every-K, async saves that do not block
+training (and survive the next donating step), and bit-exact resume of
+examples/resume_orbax.py across processes, after a clean stop and after a crash."""
+
+import subprocess
+import sys
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _checkpoint_helpers import ROOT, assert_tree_exact, child_env
+from _scripts import load_script
+
+import eqx_state as es
+
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+
+class Holder(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    rng: es.RngState
+    raw: es.RngState
+    extra: dict
+    act: object
+
+    def __init__(self, seed=0):
+        self.lin = eqx.nn.Linear(3, 2, key=jax.random.key(seed))
+        self.bn = es.nn.BatchNorm(2)
+        self.rng = es.RngState(jax.random.key(seed + 1))
+        self.raw = es.RngState(jax.random.PRNGKey(seed + 2))
+        self.extra = {
+            "np_int64": np.array([2**40 + seed], np.int64),
+            "np_float64": np.float64(1 / (3 + seed)),
+            "np_bool": np.bool_(seed % 2 == 0),
+            "py_int": 3 + seed,
+            "py_float": 0.5 + seed,
+            "py_bool": seed % 2 == 1,
+            "py_complex": 1 + 2j * seed,
+            "bf16": jnp.array([1.5 + seed], jnp.bfloat16),
+            "weak": jnp.asarray(2.5 + seed),
+            "uint8": jnp.arange(3, dtype=jnp.uint8) + seed,
+        }
+        self.act = jax.nn.relu
+
+
+def in_mode(model, mode):
+    return es.to_refs(model) if mode == "ref" else model
+
+
+def save_and_restore(tmp_path, tree, like):
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(es.to_orbax(tree)))
+        mngr.wait_until_finished()
+        target = es.orbax_target(like, mngr.item_metadata(0))
+        restored = mngr.restore(0, args=ocp.args.StandardRestore(target))
+    return es.from_orbax(restored, like)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_every_leaf_type_round_trips(tmp_path, mode):
+    model = in_mode(Holder(seed=1), mode)
+    loaded = save_and_restore(tmp_path, model, in_mode(Holder(seed=0), mode))
+    assert_tree_exact(loaded, model)  # refs are new refs (checked by assert_exact)
+
+
+def test_restore_into_an_abstract_model(tmp_path):
+    model = Holder(seed=1)
+    abstract = eqx.filter_eval_shape(Holder, 0)
+    assert not [x for x in jax.tree.leaves(abstract) if eqx.is_array(x)]
+    loaded = save_and_restore(tmp_path, model, abstract)
+    # an abstract leaf does not say NumPy or JAX, weak or strong: Orbax restores JAX
+    # arrays; the values, dtypes of JAX leaves, typed keys and Python values are exact
+    want_leaves = dict(jax.tree_util.tree_leaves_with_path(model))
+    for path, got in jax.tree_util.tree_leaves_with_path(loaded):
+        want = want_leaves[path]
+        if isinstance(want, jax.Array):
+            if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+                assert got.dtype == want.dtype
+                got, want = jax.random.key_data(got), jax.random.key_data(want)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        elif isinstance(want, np.ndarray | np.generic):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        else:
+            assert got == want and type(got) is type(want)
+    ref_mode = es.to_refs(loaded)
+    assert isinstance(ref_mode.bn.running_mean.value, jax.Ref)
+
+
+def train_steps(model, opt_state, step, n, start=0):
+    for i in range(start, start + n):
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (4, 3))
+        model, opt_state = step(model, opt_state, x)
+    return model, opt_state
+
+
+class Net(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+
+    def __init__(self):
+        self.lin = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+        self.bn = es.nn.BatchNorm(2)
+
+    def __call__(self, x):
+        return self.bn(jax.vmap(self.lin)(x))
+
+
+def loss_fn(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def test_keep_last_n_and_save_every_k(tmp_path):
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    model = Net()
+    opt_state = step.init(model)
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=3)
+    saved = {}
+    with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+        for i in range(10):
+            model, opt_state = train_steps(model, opt_state, step, 1, start=i)
+            if mngr.save(
+                i, args=ocp.args.StandardSave(es.to_orbax((model, opt_state)))
+            ):
+                saved[i] = jax.tree.map(np.asarray, (model, opt_state))
+        mngr.wait_until_finished()
+        assert sorted(saved) == [0, 3, 6, 9]
+        assert mngr.all_steps() == [6, 9]
+        like = (Net(), step.init(Net()))
+        for i in (6, 9):
+            restored = mngr.restore(
+                i,
+                args=ocp.args.StandardRestore(
+                    es.orbax_target(like, mngr.item_metadata(i))
+                ),
+            )
+            got = jax.tree.map(np.asarray, es.from_orbax(restored, like))
+            jax.tree.map(np.testing.assert_array_equal, got, saved[i])
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_async_save_does_not_block_and_survives_donation(tmp_path, mode):
+    """The save returns while Orbax is still working in the background; the next
+    steps run meanwhile (value mode: a donating step gets the buffers being saved;
+    XLA keeps them while Orbax holds them) and the checkpoint holds the state at the
+    time of the save."""
+    release = threading.Event()
+    options = ocp.CheckpointManagerOptions(
+        async_options=ocp.AsyncOptions(
+            post_finalization_callback=lambda: release.wait(60)
+        )
+    )
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    model = in_mode(Net(), mode)
+    opt_state = step.init(model)
+    model, opt_state = train_steps(model, opt_state, step, 2)
+    snapshot = jax.tree.map(np.asarray, es.freeze((model, opt_state)))
+    with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+        try:
+            mngr.save(2, args=ocp.args.StandardSave(es.to_orbax((model, opt_state))))
+            model, opt_state = train_steps(model, opt_state, step, 3, start=2)
+            assert mngr.is_saving_in_progress()  # the steps ran during the save
+        finally:
+            release.set()
+        mngr.wait_until_finished()
+        like = (in_mode(Net(), mode), step.init(Net()))
+        target = es.orbax_target(like, mngr.item_metadata(2))
+        restored = mngr.restore(2, args=ocp.args.StandardRestore(target))
+    loaded = es.from_orbax(restored, like)
+    got = jax.tree.map(np.asarray, es.freeze(loaded))
+    jax.tree.map(np.testing.assert_array_equal, got, snapshot)
+
+
+def test_a_consumed_model_raises_stale_model_error():
+    step = es.make_step(loss_fn, optax.sgd(1e-2))
+    model = Net()
+    step(model, step.init(model), jnp.ones((4, 3)))
+    with pytest.raises(es.StaleModelError, match=r"donate=False"):
+        es.to_orbax(model)
+
+
+def test_to_orbax_refuses_tracers_and_text():
+    with pytest.raises(es.CheckpointError, match=r"\['s'\]: an array of dtype <U1"):
+        es.to_orbax({"s": np.array(["a"])})
+    with pytest.raises(es.CheckpointError, match="tracer"):
+        jax.jit(lambda x: es.to_orbax({"x": x}))(jnp.ones(2))
+
+
+def test_arrays_pass_through_unchanged(tmp_path):
+    """Sharded arrays reach Orbax as they are (Orbax writes each shard), and the
+    restore target carries each array's sharding."""
+    x = jnp.arange(4.0)
+    tree = {"x": x, "cell": es.to_refs(es.Buffer(jnp.ones(2)))}
+    out = es.to_orbax(tree)
+    assert out["x"] is x
+    assert not isinstance(out["cell"].value, jax.Ref)
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(out))
+        mngr.wait_until_finished()
+        target = es.orbax_target(tree, mngr.item_metadata(0))
+    assert target["x"].sharding == x.sharding
+    assert target["cell"].value.sharding == tree["cell"].value.sharding
+
+
+def saved_metadata(tmp_path, tree):
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(es.to_orbax(tree)))
+        mngr.wait_until_finished()
+        return mngr.item_metadata(0)
+
+
+def test_orbax_target_checks_like_against_the_checkpoint(tmp_path):
+    """Orbax casts to the target dtype silently; `es.orbax_target` refuses."""
+    meta = saved_metadata(
+        tmp_path, {"w": jnp.zeros(3), "k": jax.random.key(0), "n": 1, "e": {"a": 1.0}}
+    )
+    like = {"w": jnp.zeros(3), "k": jax.random.key(1), "n": 2, "e": {"a": 2.0}}
+    es.orbax_target(like, meta)  # fine
+    for change, match in [
+        (
+            {"w": jnp.zeros(3, jnp.bfloat16)},
+            r"At \['w'\] .* float32\(3,\) .* bfloat16\(3,\)",
+        ),
+        ({"w": jnp.zeros(4)}, r"At \['w'\] .* float32\(3,\) .* float32\(4,\)"),
+        (
+            {"k": jax.random.key(0, impl="rbg")},
+            r"At \['k'\] .* uint32\(2,\) .* uint32\(4,\)",
+        ),
+        ({"n": 2.0}, r"At \['n'\] .* expects a Python float"),
+        ({"e": {"a": 1.0, "b": 2.0}}, r"no array at \['e'\]\['b'\]"),
+        ({"e": {}}, r"holds an array named 'e.a'"),
+    ]:
+        with pytest.raises(es.CheckpointError, match=match):
+            es.orbax_target({**like, **change}, meta)
+
+
+def test_numpy_int64_into_an_abstract_like_is_not_downcast(tmp_path):
+    tree = {"n": np.array([2**40 + 3]), "s": np.float64(1 / 3), "j": jnp.arange(2)}
+    abstract = eqx.filter_eval_shape(lambda: tree)
+    assert abstract["n"].dtype == jnp.int32  # what eval_shape says without x64
+    loaded = save_and_restore(tmp_path, tree, abstract)
+    assert loaded["n"].dtype == np.int64 and int(loaded["n"][0]) == 2**40 + 3
+    assert loaded["s"].dtype == np.float64 and float(loaded["s"]) == 1 / 3
+    assert isinstance(loaded["j"], jax.Array)
+
+
+def test_the_package_imports_without_orbax():
+    code = (
+        "import sys\n"
+        "sys.modules['orbax'] = None\n"
+        "sys.modules['orbax.checkpoint'] = None\n"
+        "import jax.numpy as jnp, eqx_state as es\n"
+        "print(es.to_orbax({'x': jnp.ones(1)})['x'].shape)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(1,)"
+
+
+# --------------------------------------------------------------------------------------
+# examples/resume_orbax.py: resume in a fresh process, bit for bit.
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_script("examples", "resume_orbax", module_name="resume_orbax_example")
+
+
+def resume_in_a_fresh_process(directory, mode, final):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "resume_orbax.py"),
+            *("--dir", str(directory), "--steps", str(STEPS), "--mode", mode),
+            *("--save-every", "4", "--final", str(final)),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def assert_equals_uninterrupted(example, tmp_path, mode, resumed):
+    model, opt_state, start = example.train(
+        tmp_path / "straight", steps=STEPS, mode=mode, save_every=4
+    )
+    assert start == 0
+    assert_tree_exact(resumed, (model, opt_state))  # ref mode restored as ref mode
+    assert int(resumed[0].steps.value) == STEPS
+
+
+def test_example_resumes_bit_exactly_after_a_stop(example, tmp_path):
+    """Ref mode: train 10 of 12 steps here and stop; a fresh process resumes from
+    the latest checkpoint (8) and finishes."""
+    model, _, start = example.train(
+        tmp_path / "run", steps=STEPS, mode="ref", save_every=4, stop_at=10
+    )
+    assert start == 0 and int(model.steps.value) == 10
+    out = resume_in_a_fresh_process(tmp_path / "run", "ref", tmp_path / "final.eqxs")
+    assert out.startswith("started at step 8, finished at step 12")
+    assert_equals_uninterrupted(
+        example,
+        tmp_path,
+        "ref",
+        es.load(tmp_path / "final.eqxs", like=example.fresh(5, "ref")),
+    )
+
+
+def test_example_resumes_bit_exactly_after_a_crash(example, tmp_path):
+    """Value mode: a process crashes after step 10 (an in-flight save is lost); this
+    process resumes from whatever checkpoint is finalised and finishes."""
+    crash = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "resume_orbax.py"),
+            *("--dir", str(tmp_path / "run"), "--steps", str(STEPS)),
+            *("--save-every", "4", "--crash-at", "10"),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert crash.returncode == 3, crash.stderr
+    model, opt_state, start = example.train(
+        tmp_path / "run", steps=STEPS, mode="value", save_every=4
+    )
+    assert start in {0, 1, 4, 8}  # whichever checkpoint the crash left finalised
+    assert_equals_uninterrupted(example, tmp_path, "value", (model, opt_state))
