@@ -22,6 +22,12 @@ from ._errors import (
     StateWriteError as StateWriteError,
     StepError as StepError,
 )
+from ._inference import inference_mode as inference_mode
+from ._state_dict import (
+    IncompatibleKeys as IncompatibleKeys,
+    load_state_dict as load_state_dict,
+    state_dict as state_dict,
+)
 from ._step import (
     Apply as Apply,
     Step as Step,
