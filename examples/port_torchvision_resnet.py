@@ -6,14 +6,24 @@ loads `torchvision.models.resnet18().state_dict()` as it is. Then:
 
 (a) eval-mode logits equal PyTorch's (within 1e-4);
 (b) five SGD training steps in train mode, from the same weights on the same
-    batches, give the same losses, weights and BatchNorm running statistics;
+    batches, give the same losses, weights and BatchNorm running statistics
+    (within 1e-4);
 (c) eval-mode logits still agree after training.
 
-Nothing is downloaded (random initialisation). The script exits non-zero on a
-mismatch.
+Everything runs in float32, as in PyTorch. Nothing is downloaded (random
+initialisation). The script exits non-zero on a mismatch.
+
+Float32 training trajectories of a ReLU network can drift apart with a correct port
+(rounding flips the sign of a few near-zero activations, and the difference grows;
+see DRIFT below and docs/pytorch.md). Eval-mode outputs agree to ~1e-6; training
+agrees in float32 at small sizes (`--width 8 --image-size 32`, what the test runs)
+but at full size about one activation per step flips. When only the float32
+training check fails, the script says so and repeats the check in float64, where
+the two agree to ~1e-14: a port bug fails there too. `--strict-float32` fails at
+once instead.
 
     python examples/port_torchvision_resnet.py                 # resnet18, 64x64 images
-    python examples/port_torchvision_resnet.py --image-size 16 --batch 4 --width 8
+    python examples/port_torchvision_resnet.py --image-size 32 --width 8 --strict-float32
 
 `--width 64` is torchvision's `resnet18` exactly; a smaller width scales every stage
 (width, 2x, 4x, 8x channels) with torchvision's own `BasicBlock`s, for a fast test.
@@ -186,6 +196,15 @@ def compare_state_dicts(ours, theirs, tol, failures):
     return max(compare(k, ours[k], theirs[k].numpy(), tol, failures) for k in theirs)
 
 
+DRIFT = """\
+The evaluation check passed but the float32 training trajectories drifted apart.
+That happens with a correct port: a few ReLU inputs lie within float32 rounding of
+zero, XLA and PyTorch round them to opposite sides, each such element switches a
+whole gradient contribution on or off, and the differences grow step by step. (In
+the ResNet-18 at 64x64 this happens about once per step.) Checking the training
+steps in float64, where the two agree to ~1e-14, tells a port bug from rounding:"""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--image-size", type=int, default=64)
@@ -198,10 +217,11 @@ def main(argv=None) -> int:
     p.add_argument("--weight-decay", type=float, default=1e-4)
     p.add_argument("--tol", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--float64", action="store_true", help="run both sides in float64")
     p.add_argument(
-        "--float64",
+        "--strict-float32",
         action="store_true",
-        help="run both sides in float64 (diagnostic: agreement to ~1e-10)",
+        help="fail on a float32 training drift instead of confirming in float64",
     )
     p.add_argument(
         "--perturb",
@@ -210,15 +230,40 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     with jax.enable_x64(args.float64):
-        return run(args)
+        eval_failures, train_failures = run(args)
+    if eval_failures or (train_failures and (args.float64 or args.strict_float32)):
+        print("MISMATCH\n  " + "\n  ".join((eval_failures + train_failures)[:20]))
+        return 1
+    if train_failures:
+        print("float32 training drift:\n  " + "\n  ".join(train_failures[:5]))
+        print(DRIFT)
+        args.float64 = True
+        with jax.enable_x64(True):
+            eval_failures, train_failures = run(args)
+        if eval_failures or train_failures:
+            print(
+                "MISMATCH (float64)\n  "
+                + "\n  ".join((eval_failures + train_failures)[:20])
+            )
+            return 1
+        print(
+            f"OK: the Equinox port matches torchvision within {args.tol:g} "
+            "(evaluation in float32; training in float64)"
+        )
+        return 0
+    print(f"OK: the Equinox port matches torchvision within {args.tol:g}")
+    return 0
 
 
-def run(args) -> int:
+def run(args) -> tuple[list[str], list[str]]:
+    """One comparison; returns the failures of the evaluation checks and of the
+    training checks."""
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     tdtype, dtype = (
         (torch.float64, jnp.float64) if args.float64 else (torch.float32, jnp.float32)
     )
+    print(f"--- {jnp.dtype(dtype).name}")
     shape = (args.batch, 3, args.image_size, args.image_size)
 
     def batch():
@@ -242,14 +287,18 @@ def run(args) -> int:
         w = model.fc.layer.weight
         model = eqx.tree_at(lambda m: m.fc.layer.weight, model, w.at[0, 0].add(1e-2))
     evaluate = eqx.filter_jit(lambda model, x: eqx.nn.inference_mode(model)(x))
-    failures: list[str] = []
+    eval_failures: list[str] = []
+    train_failures: list[str] = []
 
     # (a) evaluation: logits
     x, _ = batch()
     tnet.eval()
     with torch.no_grad():
         t_logits = tnet(torch.from_numpy(x)).numpy()
-    err_a = compare("eval logits", evaluate(model, x), t_logits, args.tol, failures)
+    err_a = compare(
+        "eval logits", evaluate(model, x), t_logits, args.tol, eval_failures
+    )
+    print(f"(a) eval logits:                max error {err_a:.2e}")
 
     # (b) training: the same SGD steps on the same batches
     tnet.train()
@@ -276,11 +325,11 @@ def run(args) -> int:
         t_loss.backward()
         topt.step()
         model, opt_state, loss = step(model, opt_state, jnp.asarray(x), jnp.asarray(y))
-        e = compare(f"loss {i}", loss, t_loss.item(), args.tol, failures)
+        e = compare(f"loss {i}", loss, t_loss.item(), args.tol, train_failures)
         err_loss = max(err_loss, e)
         print(f"step {i}: loss {float(loss):.6f} (torch {t_loss.item():.6f})")
     sd, t_sd = es.state_dict(model), tnet.state_dict()
-    err_b = compare_state_dicts(sd, t_sd, args.tol, failures)
+    err_b = compare_state_dicts(sd, t_sd, args.tol, train_failures)
 
     # (c) evaluation after training
     x, _ = batch()
@@ -288,18 +337,16 @@ def run(args) -> int:
     with torch.no_grad():
         t_logits = tnet(torch.from_numpy(x)).numpy()
     err_c = compare(
-        "eval logits after training", evaluate(model, x), t_logits, args.tol, failures
+        "eval logits after training",
+        evaluate(model, x),
+        t_logits,
+        args.tol,
+        train_failures,
     )
-
-    print(f"(a) eval logits:                max error {err_a:.2e}")
     print(f"(b) losses:                     max error {err_loss:.2e}")
     print(f"(b) weights + BatchNorm stats:  max error {err_b:.2e}")
     print(f"(c) eval logits after training: max error {err_c:.2e}")
-    if failures:
-        print("MISMATCH\n  " + "\n  ".join(failures[:20]))
-        return 1
-    print(f"OK: the Equinox port matches torchvision within {args.tol:g}")
-    return 0
+    return eval_failures, train_failures
 
 
 if __name__ == "__main__":
