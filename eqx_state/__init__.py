@@ -21,6 +21,7 @@ from ._errors import (
     StateWriteError as StateWriteError,
     StepError as StepError,
 )
+from ._inference import inference_mode as inference_mode
 from ._modes import freeze as freeze, to_refs as to_refs
 from ._orbax import (
     from_orbax as from_orbax,
@@ -32,6 +33,12 @@ from ._serialisation import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,
 )
+from ._state_dict import (
+    IncompatibleKeys as IncompatibleKeys,
+    load_state_dict as load_state_dict,
+    state_dict as state_dict,
+)
+from ._step_count import step_count as step_count
 from ._step import (
     Apply as Apply,
     Step as Step,

@@ -256,29 +256,20 @@ def make_step(
     import equinox as eqx, jax, jax.numpy as jnp, optax
     import eqx_state as es
 
-    class Net(eqx.Module):
-        lin1: eqx.nn.Linear
-        bn: es.nn.BatchNorm
-        lin2: eqx.nn.Linear
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = eqx.nn.Sequential([es.nn.Batched(eqx.nn.Linear(2, 4, key=k1)),
+                               es.nn.BatchNorm(4), eqx.nn.Lambda(jax.nn.relu),
+                               es.nn.Batched(eqx.nn.Linear(4, 1, key=k2))])
 
-        def __init__(self, key):
-            k1, k2 = jax.random.split(key)
-            self.lin1 = eqx.nn.Linear(2, 4, key=k1)
-            self.bn = es.nn.BatchNorm(4)  # batched: takes [batch, 4]
-            self.lin2 = eqx.nn.Linear(4, 1, key=k2)
+    def loss_fn(model, x, y):  # x: [batch, 2]
+        return jnp.mean((model(x)[:, 0] - y) ** 2)
 
-        def __call__(self, x):  # x: [batch, 2]
-            h = jax.nn.relu(self.bn(jax.vmap(self.lin1)(x)))
-            return jax.vmap(self.lin2)(h)[:, 0]
-
-    def loss_fn(model, x, y):
-        return jnp.mean((model(x) - y) ** 2)
-
-    model = Net(jax.random.key(0))
     step = es.make_step(loss_fn, optax.adam(1e-2), return_loss=True)
     opt_state = step.init(model)
-    x, y = jnp.ones((8, 2)), jnp.zeros(8)
+    x, y = jax.random.normal(jax.random.key(1), (8, 2)), jnp.zeros(8)
     model, opt_state, loss = step(model, opt_state, x, y)
+    assert int(model[1].num_batches_tracked[...]) == 1
+    assert int(es.step_count(opt_state)) == 1
     ```
     """
     return Step(

@@ -8,6 +8,7 @@ from ._attention import (
     without_kv_cache as without_kv_cache,
 )
 from ._batch_norm import BatchNorm as BatchNorm
+from ._batched import Batched as Batched
 from ._counter import Counter as Counter
 from ._ema import EMA as EMA
 from ._kv_cache import KVCache as KVCache

@@ -1,0 +1,89 @@
+"""`step_count`: how many optimizer steps an optax state has taken."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def _is_multi_steps(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
+def step_count(opt_state: Any) -> jax.Array:
+    """The number of optimizer steps (parameter updates) that `opt_state` has taken,
+    read from optax's own counters, whatever the layout of the state.
+
+    * Optimizers with a step counter (Adam, AdamW, any schedule,
+      `optax.inject_hyperparams`, ...; inside `optax.chain` or not) keep it in
+      fields named `count`; they all agree, and their value is returned.
+    * With `optax.MultiSteps`, the number of updates applied, `gradient_step` (not
+      the number of calls, `mini_step`).
+
+    **Arguments:**
+
+    - `opt_state`: an optax state, e.g. what `step.init(model)` returned and each
+        step returns.
+
+    **Returns:**
+
+    The count, an integer array (a batch of counts for an ensemble of states).
+
+    **Raises:**
+
+    `ValueError` if the optimizer keeps no step counter (plain `optax.sgd` without
+    momentum keeps no state at all), or if its counters disagree.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp, optax
+    import eqx_state as es
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    params = {"w": jnp.ones(3)}
+    opt_state = opt.init(params)
+    for _ in range(3):
+        _, opt_state = opt.update(params, opt_state, params)
+    assert int(es.step_count(opt_state)) == 3
+    ```
+    """
+    multi = [
+        x
+        for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multi_steps)
+        if _is_multi_steps(x)
+    ]
+    if multi:
+        return multi[0].gradient_step
+    counts = [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if path
+        and isinstance(path[-1], jax.tree_util.GetAttrKey)
+        and path[-1].name == "count"
+        and jnp.issubdtype(jnp.result_type(leaf), jnp.integer)
+    ]
+    if not counts:
+        raise ValueError(
+            "step_count: this optimizer state keeps no step counter (no field named "
+            "`count`; plain `optax.sgd` keeps no state at all). Count steps in your "
+            "loop, or add one: `optax.chain(optimizer, optax.scale_by_schedule(lambda "
+            "n: 1.0))` keeps a `count`."
+        )
+    first_path, first = counts[0]
+    for path, other in counts[1:]:
+        if not isinstance(other, jax.core.Tracer) and not isinstance(
+            first, jax.core.Tracer
+        ):
+            if not np.array_equal(np.asarray(other), np.asarray(first)):
+                raise ValueError(
+                    f"step_count: the optimizer's counters disagree ({first_path} = "
+                    f"{np.asarray(first)}, {path} = {np.asarray(other)}): some of its "
+                    "transformations do not count every step. Read the one you mean "
+                    "from the state directly."
+                )
+    return first
