@@ -104,7 +104,17 @@ BENCHES: dict[str, Bench] = {
     "many_cells": Bench(
         "Many cells",
         (),
-        ("--tiny",),
+        # A tiny run checks every variant in step_overhead (MLP and CNN); here a few
+        # of each kind, enough for the growth fits and the targets' rows.
+        (
+            "--tiny",
+            "--variants",
+            "es_value",
+            "es_ref",
+            "eqx_jit",
+            "equinox",
+            "nnx_jit_partial",
+        ),
         ("many_cells.png", "results_many_cells.md"),
     ),
     "kv_cache": Bench(
