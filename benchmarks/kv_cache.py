@@ -77,6 +77,20 @@ import eqx_state as es
 _ROOT = Path(__file__).resolve().parent.parent
 
 
+def _stats() -> Any:
+    """`benchmarks/bench_stats.py` (ratios with bootstrap intervals), loaded once."""
+    name = "bench_stats"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, _ROOT / "benchmarks" / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _load_example() -> Any:
     name = "_decode_kv_cache_example"
     if name in sys.modules:
@@ -723,9 +737,10 @@ def summarise(
         row.update(median_us=statistics.median(us), min_us=min(us), max_us=max(us))
         row["rounds_us"] = us
         if base is not None:
-            row["ratio"] = statistics.median(
-                t / b for t, b in zip(times, base, strict=True)
-            )
+            s = _stats().ratio_summary(times, base)
+            row["baseline"] = BASELINE[VARIANTS[name].kind]
+            row["ratio"], row["ratio_ci"] = s["median"], s["ci"]
+            row["ratio_fastest"] = s["fastest"]
         out[name] = row
     return out
 
@@ -761,12 +776,17 @@ def markdown(rows: dict[str, dict[str, Any]], cfg: Config, meta: dict[str, Any])
         f"{meta['rounds']} interleaved rounds; eqx_state overflow check "
         f"`on_overflow={cfg.on_overflow!r}`.",
         "",
-        f"| variant | µs/token (median) | min–max | × hand-written | XLA extra MB | "
+        f"| variant | µs/token (median) | min–max | × hand-written [95% CI] | "
+        "XLA extra MB | "
         f"{peak_name} MB | check: max abs diff |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
-        ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
+        ratio = (
+            _stats().fmt_ratio({"median": row["ratio"], "ci": row["ratio_ci"]})
+            if "ratio_ci" in row
+            else "-"
+        )
         peak = f"{row['peak_mb']:.1f}" if row.get("peak_mb") is not None else "-"
         lines.append(
             f"| {name}: {VARIANTS[name].label} | {row['median_us']:.1f} | "
@@ -776,7 +796,8 @@ def markdown(rows: dict[str, dict[str, Any]], cfg: Config, meta: dict[str, Any])
     lines += [
         "",
         "× hand-written: per-token variants against `pure_jax`, scan variants against "
-        "`pure_jax_scan`. XLA extra MB: output bytes not aliased to an input plus "
+        "`pure_jax_scan`: the median of same-round ratios, with a bootstrap 95% "
+        "interval over rounds. XLA extra MB: output bytes not aliased to an input plus "
         "temporaries of the compiled decode step (a copy of the cache adds "
         f"{cfg.cache_bytes / 2**20:.1f} MB). {peak_name} MB: the peak while decoding "
         "above what was in use just before (device: each variant in a fresh process; "

@@ -1,10 +1,12 @@
-"""Run every benchmark and gather the results in one report.
+"""Run every benchmark and gather the results in one report, with intervals.
 
 Runs each benchmark in a fresh Python process (so that one benchmark's compiled
-functions, caches and memory do not weigh on the next), one after the other:
+functions, caches and memory do not weigh on the next), one after the other, each
+importing this checkout's `eqx_state`:
 
 - `step_overhead.py` at every size (small and medium MLP, small CNN): step time and
-  compile time of eqx_state against hand-written JAX, Equinox and Flax NNX;
+  compile time of eqx_state against hand-written JAX and against Equinox and Flax
+  NNX, each peer in its expert forms and in its default usage;
 - `many_cells.py`: the overhead against the number of BatchNorms (1 to 100);
 - `kv_cache.py`: KV-cache decoding, per token and in a scan, with memory;
 - `scaling.py`: the data-parallel step on 1, 2 and 4 CPU devices.
@@ -12,16 +14,27 @@ functions, caches and memory do not weigh on the next), one after the other:
 Each writes its own `results_<name>.md` and PNG into `--out`. This script collects
 what their `main()` returned and writes, also into `--out`:
 
-- `results.md`: the environment, the issue-7 targets next to the measured values,
-  one combined table per benchmark, and links to the plots;
+- `results.md`: the environment, the targets of issues 7, 11, 16 and 19 next to the
+  measured values, one section per benchmark, and what each variant is;
 - `results.json`: the raw rows (every round's time) and the environment;
-- `summary.png`: step-time and compile-time ratios to hand-written JAX per size.
+- `summary.png`: step-time ratios to hand-written JAX per size, with intervals.
+
+With `--docs-root DIR` (by default the repository, for a full run into the default
+`--out`), it also regenerates, from the same results, `DIR/docs/performance.md`,
+the plots under `DIR/docs/img/bench_*.png`, and the block between the
+`<!-- benchmarks:begin -->` / `<!-- benchmarks:end -->` markers of `DIR/README.md`.
+
+Every ratio is recomputed here from the raw rounds (`bench_stats.py`): the median
+over rounds of the same-round ratio, a bootstrap 95% interval, and the ratio of
+the fastest rounds. A target is ✓ when its interval lies inside it, ✗ when it lies
+outside, ? when it straddles the limit.
 
 Usage:
 
     python benchmarks/run.py                 # everything at default settings
-    python benchmarks/run.py --tiny          # smoke run (about a minute)
+    python benchmarks/run.py --tiny --out /tmp/bench   # smoke run (about a minute)
     python benchmarks/run.py --only step_overhead many_cells
+    python benchmarks/run.py --render-only   # rewrite the reports from results.json
 
 `--tiny` runs every benchmark at its tiny size, concurrently and with most XLA
 optimisations off (`JAX_DISABLE_MOST_OPTIMIZATIONS=1`): the timings of a tiny run
@@ -38,9 +51,10 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +65,25 @@ from typing import Any
 
 
 _HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parent
+
+
+def _sibling(name: str) -> Any:
+    """The module `benchmarks/<name>.py`, loaded once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+stats = _sibling("bench_stats")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +104,17 @@ BENCHES: dict[str, Bench] = {
     "many_cells": Bench(
         "Many cells",
         (),
-        ("--tiny",),
+        # A tiny run checks every variant in step_overhead (MLP and CNN); here a few
+        # of each kind, enough for the growth fits and the targets' rows.
+        (
+            "--tiny",
+            "--variants",
+            "es_value",
+            "es_ref",
+            "eqx_jit",
+            "equinox",
+            "nnx_jit_partial",
+        ),
         ("many_cells.png", "results_many_cells.md"),
     ),
     "kv_cache": Bench(
@@ -88,20 +131,33 @@ BENCHES: dict[str, Bench] = {
     ),
 }
 
-# The issue-7 targets: `× pure JAX` at most this much (value mode, ref mode).
-TARGETS = {
-    "small": ("small MLP-BN step (width 32, depth 2, batch 16)", 1.10, 1.25),
-    "medium": ("medium MLP-BN step (width 512, depth 4, batch 256)", 1.02, 1.05),
-    "cnn": ("small CNN-BN step (conv 3×3, 2 blocks, 8×8 inputs)", 1.10, 1.25),
+# ---------------------------------------------------------------------------------
+# Targets
+
+SIZES = {
+    "small": "small MLP-BN step (width 32, depth 2, batch 16)",
+    "medium": "medium MLP-BN step (width 512, depth 4, batch 256)",
+    "cnn": "small CNN-BN step (conv 3×3, 2 blocks, 8×8 inputs)",
 }
-COMPILE_TARGET = 1.2
-# Many cells: the overhead's growth exponent between the two largest N must be below
-# this to count as sub-linear (1 is linear; two noisy medians need a margin).
-SUBLINEAR = 0.9
 # Which step_overhead size stands for a target's size in a --tiny run.
 TINY_SIZES = {"small": "tiny", "cnn": "tiny_cnn"}
 ES = ("es_value", "es_ref")
-ANCHORS = ("equinox", "nnx_jit", "nnx_split")
+# Issue 11: eqx_state against `jax.jit` on the same Equinox model with the statistics
+# threaded by hand, everything donated; (value mode, ref mode) at most.
+LIMIT = "eqx_jit"
+ISSUE11 = {"small": (1.05, 1.10), "medium": (1.01, 1.02), "cnn": (1.01, 1.02)}
+# Issue 19: the plain step within this of the fastest expert form of any peer.
+ISSUE19 = 1.05
+# Issue 16: step.scan with K = 100, per-step time against single-step pure JAX.
+SCAN = "es_scan100"
+ISSUE16_SMALL = 0.6
+# Issue 7: against hand-written JAX; (value mode, ref mode) at most.
+ISSUE7 = {"small": (1.10, 1.25), "medium": (1.02, 1.05), "cnn": (1.10, 1.25)}
+COMPILE_TARGET = 1.2
+SUBLINEAR = 1.0  # many cells: the log-log growth exponent's interval below this
+PEERS = ("Equinox", "Flax NNX")
+EXPERT, DEFAULT = "expert", "default usage"
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
 
 # ---------------------------------------------------------------------------------
@@ -110,15 +166,13 @@ ANCHORS = ("equinox", "nnx_jit", "nnx_split")
 
 def _child(name: str, json_path: str, argv: list[str]) -> None:
     """In the benchmark's own process: run its `main(argv)`, dump what it returns."""
-    spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = _sibling(name)
     t0 = time.perf_counter()
     result = module.main(argv)
     seconds = time.perf_counter() - t0
     import jax
+
+    import eqx_state
 
     dev = jax.devices()[0]
     payload = {
@@ -126,6 +180,7 @@ def _child(name: str, json_path: str, argv: list[str]) -> None:
         "seconds": seconds,
         "backend": f"{jax.default_backend()} ({dev.device_kind}), "
         f"{jax.device_count()} device(s)",
+        "eqx_state": str(Path(eqx_state.__file__).resolve().parent),
     }
     Path(json_path).write_text(json.dumps(payload, default=_jsonable), "utf-8")
 
@@ -140,9 +195,16 @@ def run_all(
     names: Sequence[str], tiny: bool, out: Path, jobs: int
 ) -> dict[str, dict[str, Any]]:
     """Run the benchmarks `names`, at most `jobs` at a time; `{name: payload}`, a
-    payload being `{"result", "seconds", "backend"}` or `{"error": log tail}`."""
+    payload being `{"result", "seconds", "backend", "eqx_state"}` or `{"error": log
+    tail}`."""
     tmp = Path(tempfile.mkdtemp(prefix="eqx_state_bench_"))
-    env = dict(os.environ)
+    # The benchmarks measure this checkout's eqx_state, whatever else is installed.
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
     if tiny:
         # Halves a tiny run's time, most of which is compiling; it still checks
         # every variant's numbers (its timings mean nothing anyway).
@@ -168,7 +230,7 @@ def run_all(
                 [*cmd, *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                cwd=_HERE.parent,
+                cwd=_ROOT,
                 env=env,
             )
             running[name] = (proc, tmp / f"{name}.log", log, time.perf_counter())
@@ -238,16 +300,287 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "-"
+
+
 # ---------------------------------------------------------------------------------
-# Rendering: one function per benchmark, `result -> Markdown lines`
+# Analysis: pure functions of the raw results (every round's time), so that the
+# reports of `--render-only` are those of the run.
 
 
-def _fmt_ratio(x: float | None) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.2f}×"
+def variant_meta(row: dict[str, Any], name: str) -> dict[str, Any]:
+    """What a variant is (`label`, `family`, `usage`, `form`, `source`): from its
+    row, or for results written before rows carried it, from step_overhead.py."""
+    keys = ("label", "family", "usage", "form", "source")
+    if all(k in row for k in keys):
+        return {k: row[k] for k in keys}
+    try:
+        cls = _sibling("step_overhead").VARIANTS[name]
+        return {k: getattr(cls, k) for k in keys}
+    except (KeyError, ImportError):
+        return dict.fromkeys(keys, "-") | {"label": name}
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    align = ["---"] + ["---:"] * (len(header) - 1)
+def ratio(
+    rows: dict[str, dict[str, Any]] | None,
+    name: str,
+    base: str = "pure_jax",
+    prefix: str = "",
+) -> dict[str, Any] | None:
+    """`bench_stats.ratio_summary` of `name` against `base` from the same rounds
+    (`prefix`: "" pipelined, "blocking_"), or None where either did not run."""
+    key = prefix + "rounds_us"
+    if not rows or name not in rows or base not in rows or key not in rows[name]:
+        return None
+    return stats.ratio_summary(rows[name][key], rows[base][key])
+
+
+def fastest_expert(rows: dict[str, dict[str, Any]] | None) -> str | None:
+    """The peer variant (Equinox or Flax NNX) in an expert form with the lowest
+    median same-round ratio to pure JAX (pipelined), or None if none ran."""
+    best, best_ratio = None, float("inf")
+    for name in rows or {}:
+        m = variant_meta(rows[name], name)  # type: ignore[index]
+        if m["family"] in PEERS and m["usage"] == EXPERT:
+            r = ratio(rows, name)
+            if r is not None and r["median"] < best_ratio:
+                best, best_ratio = name, r["median"]
+    return best
+
+
+def missing_experts(rows: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The peers' expert variants that step_overhead.py defines but that did not
+    run here (an older run, or `--variants`)."""
+    try:
+        variants = _sibling("step_overhead").VARIANTS
+    except ImportError:  # pragma: no cover - the script is next to this one
+        return []
+    return [
+        n
+        for n, cls in variants.items()
+        if cls.family in PEERS and cls.usage == EXPERT and n not in (rows or {})
+    ]
+
+
+def _vs_fastest_cell(rows, name: str, limit: float) -> str:
+    """`name` × the fastest expert peer form; when some expert forms did not run,
+    ✓ becomes ? (a faster one might be missing; ✗ stands)."""
+    best = fastest_expert(rows)
+    if best is None:
+        return "not measured"
+    cell = _ratio_cell(ratio(rows, name, best), limit, f" (vs `{best}`)")
+    missing = missing_experts(rows)
+    if missing and " ✓ " in cell + " ":
+        cell = cell.replace(" ✓", " ?", 1)
+    if missing and not cell.startswith("not"):
+        cell += f"; {len(missing)} expert form(s) not run"
+    return cell
+
+
+def step_rows(
+    payloads: dict[str, dict[str, Any]], size: str, tiny: bool
+) -> dict[str, dict[str, Any]] | None:
+    """The step-overhead rows of a target size (its tiny stand-in in a tiny run)."""
+    result = payloads.get("step_overhead", {}).get("result") or {}
+    key = TINY_SIZES.get(size) if tiny else size
+    return result.get(key) if key else None
+
+
+def many_cells_rows(
+    payloads: dict[str, dict[str, Any]],
+) -> dict[int, dict[str, dict[str, Any]]] | None:
+    result = payloads.get("many_cells", {}).get("result")
+    if not result:
+        return None
+    return {int(n): rows for n, rows in result["by_n"].items()}
+
+
+def _ratio_cell(s: dict[str, Any] | None, limit: float, note: str = "") -> str:
+    if s is None:
+        return "not measured"
+    return f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], limit)}{note}"
+
+
+def _slope_cell(f: dict[str, Any] | None, limit: float) -> str:
+    if f is None:
+        return "not measured"
+    return (
+        f"{stats.fmt_interval(f['slope'], f['slope_ci'], ' µs/BN')} "
+        f"{stats.verdict(f['slope_ci'], limit)}"
+    )
+
+
+def _exponent_text(f: dict[str, Any]) -> str:
+    if f["exponent"] is None:
+        return "- (overhead ≤ 0 at some N)"
+    return stats.fmt_interval(f["exponent"], f["exponent_ci"], "")
+
+
+def _exponent_cell(f: dict[str, Any] | None, limit: float) -> str:
+    if f is None:
+        return "not measured"
+    if f["exponent"] is None:
+        return _exponent_text(f)
+    return f"k = {_exponent_text(f)} {stats.verdict(f['exponent_ci'], limit)}"
+
+
+def _growth(by_n, name: str, base: str) -> dict[str, Any] | None:
+    """The growth of `name - base` over the N where both ran (None if < 2 N)."""
+    if by_n is None:
+        return None
+    have = [n for n in sorted(by_n) if name in by_n[n] and base in by_n[n]]
+    if len(have) < 2:
+        return None
+    return stats.growth(
+        {n: (by_n[n][name]["rounds_us"], by_n[n][base]["rounds_us"]) for n in have}
+    )
+
+
+def targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[list[str]]:
+    """Rows `[issue, workload, measure, target, value mode, ref mode]`."""
+    rows: list[list[str]] = []
+    by_n = many_cells_rows(payloads)
+    n_max = max(by_n) if by_n else None
+    cells_label = f"many cells (1 to {n_max} BatchNorms)" if by_n else "many cells"
+
+    for size, label in SIZES.items():
+        got = step_rows(payloads, size, tiny)
+        v_max, r_max = ISSUE11[size]
+        rows.append(
+            [
+                "11",
+                label,
+                f"× `{LIMIT}` (jax.jit on the same Equinox model, statistics by "
+                "hand, donated)",
+                f"≤ {v_max:.2f}× / ≤ {r_max:.2f}×",
+                _ratio_cell(ratio(got, "es_value", LIMIT), v_max),
+                _ratio_cell(ratio(got, "es_ref", LIMIT), r_max),
+            ]
+        )
+    rows.append(
+        [
+            "11",
+            cells_label,
+            f"growth of the overhead over `{LIMIT}`: slope b of (eqx_state − "
+            f"{LIMIT}) against N",
+            "b ≤ 0 µs/BN (grows no faster)",
+            *(_slope_cell(_growth(by_n, es, LIMIT), 0.0) for es in ES),
+        ]
+    )
+    for size, label in SIZES.items():
+        got = step_rows(payloads, size, tiny)
+        rows.append(
+            [
+                "19",
+                label,
+                "× the fastest expert form of any peer (same rounds)",
+                f"≤ {ISSUE19:.2f}×",
+                *(_vs_fastest_cell(got, es, ISSUE19) for es in ES),
+            ]
+        )
+    got = step_rows(payloads, "small", tiny)
+    rows.append(
+        [
+            "19",
+            SIZES["small"],
+            "`step.scan`, K = 100, per step × the fastest expert form of any peer",
+            "< 1.00× (ahead)",
+            _vs_fastest_cell(got, SCAN, 1.0) if got and SCAN in got else "not measured",
+            "n/a",
+        ]
+    )
+    rows.append(
+        [
+            "16",
+            SIZES["small"],
+            "`step.scan`, K = 100, per step × single-step pure JAX",
+            f"≤ {ISSUE16_SMALL:.2f}×",
+            _ratio_cell(ratio(got, SCAN), ISSUE16_SMALL),
+            "n/a",
+        ]
+    )
+    rows.append(
+        [
+            "16",
+            cells_label,
+            "`step.scan`, K = 100: slope b of (per-step time − single-step pure "
+            "JAX) against N",
+            "b ≤ 0 µs/BN (stops growing)",
+            _slope_cell(_growth(by_n, SCAN, "pure_jax"), 0.0),
+            "n/a",
+        ]
+    )
+    for size, label in SIZES.items():
+        got = step_rows(payloads, size, tiny)
+        v_max, r_max = ISSUE7[size]
+        rows.append(
+            [
+                "7",
+                label,
+                "× pure JAX (hand-written, jax.jit, donated)",
+                f"≤ {v_max:.2f}× / ≤ {r_max:.2f}×",
+                _ratio_cell(ratio(got, "es_value"), v_max),
+                _ratio_cell(ratio(got, "es_ref"), r_max),
+            ]
+        )
+    rows.append(
+        [
+            "7",
+            "compile time (first call), every size",
+            "× pure JAX's first call (same rounds)",
+            f"≤ {COMPILE_TARGET:.1f}×",
+            *(_compile_cell(payloads, es, tiny) for es in ES),
+        ]
+    )
+    rows.append(
+        [
+            "7",
+            cells_label,
+            "growth exponent k of the overhead over pure JAX (log-log, all N)",
+            f"k < {SUBLINEAR:.0f} (sub-linear)",
+            *(_exponent_cell(_growth(by_n, es, "pure_jax"), SUBLINEAR) for es in ES),
+        ]
+    )
+    return rows
+
+
+def _compile_cell(payloads: dict[str, dict[str, Any]], name: str, tiny: bool) -> str:
+    """The compile-time ratio at every size (first calls of fresh instances,
+    paired by round), the worst one shown; ✓ only if every size's interval is
+    inside the target."""
+    per_size = {}
+    for size in SIZES:
+        got = step_rows(payloads, size, tiny)
+        if got and name in got and "compile_samples_s" in got[name]:
+            per_size[size] = stats.ratio_summary(
+                got[name]["compile_samples_s"], got["pure_jax"]["compile_samples_s"]
+            )
+    if not per_size:
+        return "not measured"
+    marks = [stats.verdict(s["ci"], COMPILE_TARGET) for s in per_size.values()]
+    mark = "✗" if "✗" in marks else "?" if "?" in marks or "-" in marks else "✓"
+    worst = max(per_size, key=lambda k: per_size[k]["median"])
+    others = ", ".join(
+        f"{k} {s['median']:.2f}×" for k, s in per_size.items() if k != worst
+    )
+    return f"{worst} {stats.fmt_ratio(per_size[worst])} {mark}" + (
+        f" ({others})" if others else ""
+    )
+
+
+# ---------------------------------------------------------------------------------
+# Rendering
+
+
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1
+) -> list[str]:
+    """A Markdown table, the first `left` columns left-aligned, the others right."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(align) + "|",
@@ -255,131 +588,275 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def _variant_table(
-    columns: dict[str, dict[str, dict[str, Any]]], cell: Callable[[dict], str]
-) -> list[str]:
-    """Variants as rows, one column per key of `columns` (`{column: {variant:
-    row}}`), each cell `cell(row)` ("-" where the variant did not run)."""
-    names: list[str] = []
-    for rows in columns.values():
-        names += [n for n in rows if n not in names]
-    return _table(
-        ["variant", *columns],
+TARGETS_LEGEND = (
+    "Each ratio is the median over rounds of the same-round ratio, with its "
+    "bootstrap 95% interval in brackets. ✓: the interval lies inside the target; ✗: "
+    "it lies outside; ?: it straddles the limit, or too few rounds gave no interval "
+    "(the run cannot tell); not "
+    "measured: the variant did not run (a `step.scan` row until `es.Step` has "
+    "`scan`). Slopes b: least-squares line of the overhead against the number of "
+    "BatchNorms N over all N, with a bootstrap interval (rounds resampled at every "
+    "N); k: the log-log line's slope."
+)
+
+
+def render_targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
+    lines = []
+    if tiny:
+        lines += [
+            "**Tiny run:** the sizes below are the tiny stand-ins "
+            f"({', '.join(f'{k} → {v}' for k, v in TINY_SIZES.items())}); the "
+            "numbers only show that the report is complete.",
+            "",
+        ]
+    lines += _table(
         [
-            [n, *(cell(rows[n]) if n in rows else "-" for rows in columns.values())]
-            for n in names
+            "issue",
+            "workload",
+            "measure",
+            "target (value / ref)",
+            "value mode (es_value)",
+            "ref mode (es_ref)",
         ],
+        targets(payloads, tiny),
+        left=4,
     )
+    return lines + ["", TARGETS_LEGEND]
 
 
-def _time_cell(row: dict) -> str:
-    return (
-        f"{row['median_us']:.1f} ({row['min_us']:.0f}–{row['max_us']:.0f}), "
-        f"{_fmt_ratio(row.get('ratio'))}"
-    )
+def _order(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The reference, eqx_state, then each peer's expert forms before its default
+    usage (the order of the rows, grouped)."""
+    rank = {"reference": 0, "eqx_state": 1}
+
+    def key(name: str) -> tuple:
+        m = variant_meta(rows[name], name)
+        fam = rank.get(
+            m["usage"], 2 + (PEERS.index(m["family"]) if m["family"] in PEERS else 9)
+        )
+        return (fam, m["usage"] == DEFAULT)
+
+    return sorted(rows, key=key)
 
 
-def compile_ratio(rows: dict[str, dict[str, Any]], name: str) -> float:
-    return rows[name]["compile_s"] / rows["pure_jax"]["compile_s"]
+def peers_table(
+    step: dict[str, dict[str, dict[str, Any]]], prefix: str, *, only_with_expert: bool
+) -> list[str]:
+    """Every variant × pure JAX [95% CI] per size. With `only_with_expert`, a peer
+    family's default usage is shown only at sizes where one of its expert forms ran
+    too (no ratio against a peer's slow form without its fast form beside it)."""
+    sizes = list(step)
+    names: list[str] = []
+    for rows in step.values():
+        names += [n for n in _order(rows) if n not in names]
+    out = []
+    for name in names:
+        cells = []
+        for size in sizes:
+            rows = step[size]
+            if name not in rows:
+                cells.append("-")
+                continue
+            m = variant_meta(rows[name], name)
+            if only_with_expert and m["usage"] == DEFAULT:
+                experts = [
+                    n
+                    for n in rows
+                    if variant_meta(rows[n], n)["family"] == m["family"]
+                    and variant_meta(rows[n], n)["usage"] == EXPERT
+                ]
+                if not experts:
+                    cells.append("(no expert form measured)")
+                    continue
+            cells.append(stats.fmt_ratio(ratio(rows, name, prefix=prefix)))
+        m = variant_meta(step[next(s for s in sizes if name in step[s])][name], name)
+        out.append([f"`{name}`", m["family"], m["usage"], *cells])
+    return _table(["variant", "family", "usage", *sizes], out, left=3)
 
 
 def render_step_overhead(result: dict[str, Any]) -> list[str]:
     lines = [
-        "µs per training step: median (min–max over rounds), × pure JAX (median of "
-        "same-round ratios). Every variant was checked against the hand-written "
-        "reference first. Details: `results_step_overhead.md`.",
+        "Per training step, × pure JAX: the median over rounds of the same-round "
+        "ratio [bootstrap 95% interval]. *Pipelined*: consecutive calls, one "
+        "`block_until_ready` at the end (Python overlaps the previous step's "
+        "execution); *blocking*: waiting for every step. Every variant was checked "
+        "against the hand-written reference first. Per-size tables with µs, the "
+        "fastest-round ratios and compile times: `results_step_overhead.md`.",
+        "",
+        "**Pipelined**",
+        "",
+        *peers_table(result, "", only_with_expert=False),
         "",
     ]
-    lines += _variant_table(result, _time_cell)
+    if any(
+        "blocking_rounds_us" in row for rows in result.values() for row in rows.values()
+    ):
+        lines += [
+            "**Blocking every step**",
+            "",
+            *peers_table(result, "blocking_", only_with_expert=False),
+            "",
+        ]
+    lines += [
+        "**µs per step** (pipelined median; fastest round; blocking median)",
+        "",
+    ]
+    names: list[str] = []
+    for rows in result.values():
+        names += [n for n in _order(rows) if n not in names]
+
+    def cell(rows: dict[str, dict[str, Any]], n: str) -> str:
+        if n not in rows:
+            return "-"
+        r = rows[n]
+        blocking = r.get("blocking_median_us")
+        return f"{r['median_us']:.1f}; {r['min_us']:.1f}; " + (
+            "-" if blocking is None else f"{blocking:.1f}"
+        )
+
+    lines += _table(
+        ["variant", *result],
+        [[n, *(cell(rows, n) for rows in result.values())] for n in names],
+    )
     return lines
 
 
 def render_compile(result: dict[str, Any]) -> list[str]:
     lines = [
-        "Wall time of the first call (trace + compile + one step), in seconds: the "
-        "median over fresh instances (3 by default, 1 in a tiny run), and its ratio "
-        "to pure JAX's at the same size. Expect ±10–20% from run to run on a "
-        "loaded machine.",
+        "Wall time of the first call (trace + compile + one call), in seconds: the "
+        "median over fresh instances (3 by default, 1 in a tiny run), and × pure "
+        "JAX's first calls in the same rounds [bootstrap 95% interval].",
+        "",
+    ]
+    names: list[str] = []
+    for rows in result.values():
+        names += [n for n in _order(rows) if n not in names]
+
+    def cell(rows: dict[str, dict[str, Any]], n: str) -> str:
+        if n not in rows:
+            return "-"
+        samples = rows[n].get("compile_samples_s", [rows[n]["compile_s"]])
+        base = rows["pure_jax"].get(
+            "compile_samples_s", [rows["pure_jax"]["compile_s"]]
+        )
+        return f"{rows[n]['compile_s']:.2f} ({stats.fmt_ratio(stats.ratio_summary(samples, base))})"
+
+    return lines + _table(
+        ["variant", *result],
+        [[n, *(cell(rows, n) for rows in result.values())] for n in names],
+    )
+
+
+def render_many_cells(
+    result: dict[str, Any], *, only_with_expert: bool = False
+) -> list[str]:
+    """With `only_with_expert`, a peer family's default usage is left out when none
+    of its expert forms ran."""
+    by_n = {int(n): rows for n, rows in result["by_n"].items()}
+    ns = sorted(by_n)
+    names: list[str] = []
+    for n in ns:
+        names += [v for v in _order(by_n[n]) if v not in names]
+    if only_with_expert:
+        meta = {
+            v: variant_meta(next(by_n[n][v] for n in ns if v in by_n[n]), v)
+            for v in names
+        }
+        with_expert = {m["family"] for m in meta.values() if m["usage"] == EXPERT}
+        names = [
+            v
+            for v in names
+            if meta[v]["usage"] != DEFAULT or meta[v]["family"] in with_expert
+        ]
+    lines = [
+        "A deep residual MLP with N BatchNorms (3 state cells each). µs per step "
+        "(pipelined median) and × pure JAX [bootstrap 95% interval]; then the "
+        "overhead over pure JAX (median of same-round differences) per N, its "
+        "least-squares slope b over all N and its log-log growth exponent k over "
+        "all N, each with a bootstrap 95% interval. Details (blocking timings, "
+        "compile times): `results_many_cells.md`.",
         "",
     ]
 
-    def cell_for(rows: dict[str, dict[str, Any]]) -> Callable[[dict], str]:
-        base = rows["pure_jax"]["compile_s"]
-        return lambda row: f"{row['compile_s']:.2f} ({row['compile_s'] / base:.2f}×)"
+    def cell(n: int, name: str) -> str:
+        rows = by_n[n]
+        if name not in rows:
+            return "-"
+        return f"{rows[name]['median_us']:.0f} ({stats.fmt_ratio(ratio(rows, name))})"
 
-    names = list(next(iter(result.values())))
     lines += _table(
-        ["variant", *result],
-        [
+        ["variant", *(f"N = {n}" for n in ns)],
+        [[name, *(cell(n, name) for n in ns)] for name in names],
+    )
+    lines += ["", f"**Growth of the overhead** (N = {', '.join(map(str, ns))})", ""]
+    growth_rows = []
+    for name in names:
+        base = "pure_jax"
+        if name == "pure_jax":
+            have = [n for n in ns if name in by_n[n]]
+            f = stats.growth(
+                {
+                    n: (
+                        by_n[n][name]["rounds_us"],
+                        [0.0] * len(by_n[n][name]["rounds_us"]),
+                    )
+                    for n in have
+                }
+            )
+            label = "pure_jax (its own step time)"
+        else:
+            f = _growth(by_n, name, base)
+            label = name
+        if f is None:
+            growth_rows.append([label, "-", "-", "-"])
+            continue
+        growth_rows.append(
             [
-                n,
-                *(
-                    cell_for(rows)(rows[n]) if n in rows else "-"
-                    for rows in result.values()
-                ),
+                label,
+                " / ".join(f"{y:.1f}" for y in f["diff"]),
+                stats.fmt_interval(f["slope"], f["slope_ci"], " µs/BN"),
+                _exponent_text(f),
             ]
-            for n in names
-        ],
+        )
+    for name in ES:
+        f = _growth(by_n, name, LIMIT)
+        if f is not None:
+            growth_rows.append(
+                [
+                    f"{name} − {LIMIT}",
+                    " / ".join(f"{y:.1f}" for y in f["diff"]),
+                    stats.fmt_interval(f["slope"], f["slope_ci"], " µs/BN"),
+                    _exponent_text(f),
+                ]
+            )
+    lines += _table(
+        ["variant", "overhead per N (µs)", "slope b [95% CI]", "exponent k [95% CI]"],
+        growth_rows,
     )
     return lines
 
 
-def render_many_cells(result: dict[str, Any]) -> list[str]:
-    by_n = {int(n): rows for n, rows in result["by_n"].items()}
-    ns = sorted(by_n)
-    fits = result["fit"]
-    lines = [
-        "A deep residual MLP with N BatchNorms (3 state cells each). µs per "
-        "step (× pure JAX), and the overhead over pure JAX (median of same-round "
-        "differences) with its least-squares line a + b·N and growth exponent "
-        f"between N = {ns[-2] if len(ns) > 1 else ns[-1]} and N = {ns[-1]} (below 1: "
-        "sub-linear). Details: `results_many_cells.md`.",
-        "",
-    ]
-    header = [
-        "variant",
-        *(f"N = {n}" for n in ns),
-        *(f"overhead N = {n} (µs)" for n in ns),
-        "b (µs/BN)",
-        "exponent",
-    ]
-    rows = []
-    for name in by_n[ns[0]]:
-        f = fits[name]
-        over = ["-"] * len(ns) if name == "pure_jax" else [f"{y:.1f}" for y in f["us"]]
-        per_bn = f"{f['per_cell_us']:.2f}"
-        exp = "-" if f["exponent"] is None else f"{f['exponent']:.2f}"
-        if name == "pure_jax":
-            per_bn += " (step time)"
-        rows.append(
-            [
-                name,
-                *(
-                    f"{by_n[n][name]['median_us']:.0f} ({_fmt_ratio(by_n[n][name]['ratio'])})"
-                    for n in ns
-                ),
-                *over,
-                per_bn,
-                exp,
-            ]
-        )
-    return lines + _table(header, rows)
+def _kv_base(name: str, row: dict[str, Any]) -> str:
+    return row.get("baseline") or ("pure_jax_scan" if "scan" in name else "pure_jax")
 
 
 def render_kv_cache(result: dict[str, Any]) -> list[str]:
     lines = [
         "µs per decoded token: median (min–max), × the hand-written loop of the same "
-        "kind (per token or scan); XLA extra MB per decode call (a cache copy shows "
-        "here); peak MB while decoding. Details: `results_kv_cache.md`.",
+        "kind (per token or scan) [bootstrap 95% interval]; XLA extra MB per decode "
+        "call (a cache copy shows here); peak MB while decoding. Details: "
+        "`results_kv_cache.md`.",
         "",
     ]
     rows = []
     for name, row in result.items():
         peak = row.get("peak_mb")
+        r = ratio(result, name, _kv_base(name, row))
         rows.append(
             [
                 name,
-                _time_cell(row),
+                f"{row['median_us']:.1f} ({row['min_us']:.0f}–{row['max_us']:.0f}), "
+                f"{stats.fmt_ratio(r)}",
                 f"{row['xla_extra_mb']:.2f}" if "xla_extra_mb" in row else "-",
                 "-" if peak is None else f"{peak:.1f}",
             ]
@@ -395,21 +872,20 @@ def render_scaling(result: dict[str, Any]) -> list[str]:
     lines = [
         "Medium MLP-BN step on a 1-D mesh of CPU devices sharing this machine's cores "
         "(measures the sharded program's cost, not parallel speed-up): steps/s "
-        "(median, min–max), × pure JAX (median of same-round time ratios). Details: "
-        "`results_scaling.md`.",
+        "(median, min–max), × pure JAX (median of same-round time ratios [bootstrap "
+        "95% interval]). Details: `results_scaling.md`.",
         "",
     ]
     rows = []
     for n, times in sorted(result.items(), key=lambda kv: int(kv[0])):
         base = times["pure_jax"]
         for name, ts in times.items():
-            ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
             rows.append(
                 [
                     f"{n} × {name}",
                     f"{1 / statistics.median(ts):.1f} "
                     f"({1 / max(ts):.1f}–{1 / min(ts):.1f})",
-                    _fmt_ratio(ratio),
+                    stats.fmt_ratio(stats.ratio_summary(ts, base)),
                 ]
             )
     return lines + _table(["devices × variant", "steps/s", "× pure JAX"], rows)
@@ -423,117 +899,53 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
 }
 
 
-def _target_size(size: str, tiny: bool) -> str | None:
-    return TINY_SIZES.get(size) if tiny else size
+def _all_variant_rows(payloads: dict[str, dict[str, Any]]) -> dict[str, dict]:
+    """One row per step variant that ran anywhere (for what it is)."""
+    found: dict[str, dict] = {}
+    for rows in (payloads.get("step_overhead", {}).get("result") or {}).values():
+        for n, r in rows.items():
+            found.setdefault(n, r)
+    for rows in (many_cells_rows(payloads) or {}).values():
+        for n, r in rows.items():
+            found.setdefault(n, r)
+    return {n: found[n] for n in _order(found)}
 
 
-def _mark(value: float | None, limit: float) -> str:
-    if value is None or not math.isfinite(value):
-        return "-"
-    return f"{value:.2f}× {'✓' if value <= limit else '✗'}"
-
-
-def render_targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[str]:
-    """The issue-7 targets, the measured values, and whether each is met."""
-    steps = payloads.get("step_overhead", {}).get("result", {})
-    lines = []
-    if tiny:
-        lines += [
-            "**Tiny run:** the sizes below are the tiny stand-ins "
-            f"({', '.join(f'{k} → {v}' for k, v in TINY_SIZES.items())}); the "
-            "numbers only show that the report is complete.",
-            "",
-        ]
+def render_variants(payloads: dict[str, dict[str, Any]]) -> list[str]:
     rows = []
-    for size, (label, v_max, r_max) in TARGETS.items():
-        got = steps.get(_target_size(size, tiny) or "", {})
-
-        def ratio(name: str, got=got) -> float | None:
-            return got[name].get("ratio") if name in got else None
-
+    for name, row in _all_variant_rows(payloads).items():
+        m = variant_meta(row, name)
         rows.append(
-            [
-                label,
-                f"≤ {v_max:.2f}×",
-                _mark(ratio("es_value"), v_max),
-                f"≤ {r_max:.2f}×",
-                _mark(ratio("es_ref"), r_max),
-                " / ".join(_fmt_ratio(ratio(a)) for a in ANCHORS),
-            ]
+            [f"`{name}`", m["family"], m["usage"], f"`{m['form']}`", m["source"]]
         )
-
-    def compile_ratios(name: str) -> dict[str, float]:
-        return {
-            size: compile_ratio(steps[s], name)
-            for size in TARGETS
-            if (s := _target_size(size, tiny)) in steps and name in steps[s]
-        }
-
-    compile_cells = []
-    for mode in ES:
-        per_size = compile_ratios(mode)
-        detail = ", ".join(f"{k} {v:.2f}" for k, v in per_size.items())
-        worst = max(per_size.values(), default=None)
-        compile_cells.append(f"{_mark(worst, COMPILE_TARGET)} (worst of: {detail})")
-    anchors_compile = [
-        _fmt_ratio(max(compile_ratios(a).values(), default=None)) for a in ANCHORS
-    ]
-    rows.append(
-        [
-            "compile time (first call), worst size",
-            f"≤ {COMPILE_TARGET:.1f}×",
-            compile_cells[0],
-            f"≤ {COMPILE_TARGET:.1f}×",
-            compile_cells[1],
-            " / ".join(anchors_compile),
-        ]
-    )
-    cells = payloads.get("many_cells", {}).get("result")
-    if cells is not None:
-        fits = cells["fit"]
-
-        def growth(name: str) -> str:
-            if name not in fits:
-                return "-"
-            f = fits[name]
-            exp = f["exponent"]
-            verdict = "-" if exp is None else ("✓" if exp < SUBLINEAR else "✗")
-            exp_s = "-" if exp is None else f"{exp:.2f}"
-            return f"exponent {exp_s} {verdict}, {f['per_cell_us']:.2f} µs/BN"
-
-        rows.append(
-            [
-                "many cells (up to "
-                f"{max(int(n) for n in cells['by_n'])} BatchNorms): overhead growth",
-                f"sub-linear (exponent < {SUBLINEAR})",
-                growth("es_value"),
-                f"sub-linear (exponent < {SUBLINEAR})",
-                growth("es_ref"),
-                " / ".join(
-                    "-" if a not in fits else f"{fits[a]['per_cell_us']:.1f} µs/BN"
-                    for a in ANCHORS
-                ),
-            ]
-        )
-    lines += _table(
-        [
-            "workload",
-            "value-mode target",
-            "value mode (es_value)",
-            "ref-mode target",
-            "ref mode (es_ref)",
-            "Equinox / NNX jit / NNX split",
-        ],
-        rows,
-    )
-    lines += [
+    if not rows:
+        return []
+    return [
+        "What each training-step variant is: the exact code form, and where its "
+        "family's docs recommend it. *Expert*: the fastest form the family's docs "
+        "recommend; *default usage*: the form their docs start from and most users "
+        "write.",
         "",
-        "Ratios are `× pure JAX` (hand-written JAX, `jax.jit` with donation) measured "
-        "in the same rounds; ✓ met, ✗ not met. Many cells: the growth exponent of "
-        "the overhead over pure JAX between the two largest N (1 is linear) and the "
-        "fitted cost per BatchNorm.",
+        *_table(
+            ["variant", "family", "usage", "exact form", "where recommended"], rows
+        ),
     ]
-    return lines
+
+
+def _provenance(env: dict[str, Any], payloads: dict[str, dict[str, Any]]) -> list[str]:
+    pk = env["packages"]
+    backends = sorted({p["backend"] for p in payloads.values() if "backend" in p})
+    sources = sorted({p["eqx_state"] for p in payloads.values() if "eqx_state" in p})
+    return [
+        f"- CPU: {env['cpu']}, {env['cpu_count']} cores; {env['platform']}",
+        f"- JAX backend: {'; '.join(backends) or '-'}",
+        "- "
+        + ", ".join(f"{k} {v}" for k, v in pk.items())
+        + f"; Python {env['python']}",
+        f"- eqx_state commit: {env['commit']}"
+        + (f" (imported from {', '.join(sources)})" if sources else ""),
+        f"- load average before / after: {env['load_before']} / {env['load_after']}",
+    ]
 
 
 def markdown(
@@ -544,8 +956,6 @@ def markdown(
     out: Path,
     seconds: float,
 ) -> str:
-    pk = env["packages"]
-    backends = sorted({p["backend"] for p in payloads.values() if "backend" in p})
     lines = [
         "# eqx_state benchmarks",
         "",
@@ -553,15 +963,9 @@ def markdown(
         "",
         "## Environment",
         "",
-        f"- CPU: {env['cpu']}, {env['cpu_count']} cores; {env['platform']}",
-        f"- JAX backend: {'; '.join(backends) or '-'}",
-        "- "
-        + ", ".join(f"{k} {v}" for k, v in pk.items())
-        + f"; Python {env['python']}",
-        f"- eqx_state commit: {env['commit']}",
-        f"- load average before / after: {env['load_before']} / {env['load_after']}",
+        *_provenance(env, payloads),
         "",
-        "## Targets (issue 7)",
+        "## Targets",
         "",
         *render_targets(payloads, tiny),
         "",
@@ -595,11 +999,217 @@ def markdown(
             lines += ["## Compile time", "", *render_compile(steps), ""]
             if (out / "summary.png").exists():
                 lines += ["![summary.png](summary.png)", ""]
+    variants = render_variants(payloads)
+    if variants:
+        lines += ["## Variants", "", *variants, ""]
     return "\n".join(lines)
 
 
+def _missing_experts(payloads: dict[str, dict[str, Any]]) -> list[str]:
+    """The peer families that ran at some size without any expert form."""
+    missing = []
+    for rows in (payloads.get("step_overhead", {}).get("result") or {}).values():
+        for fam in PEERS:
+            usages = {
+                variant_meta(r, n)["usage"]
+                for n, r in rows.items()
+                if variant_meta(r, n)["family"] == fam
+            }
+            if usages and EXPERT not in usages and fam not in missing:
+                missing.append(fam)
+    return missing
+
+
+def _caveats(payloads: dict[str, dict[str, Any]], env: dict[str, Any]) -> list[str]:
+    notes = [env["note"]] if env.get("note") else []
+    missing = _missing_experts(payloads)
+    if missing:
+        notes.append(
+            f"This run predates the expert forms of {', '.join(missing)} (issue 19): "
+            "their default usage is not shown here as a comparison; see "
+            "`benchmarks/results.md` for every row."
+        )
+    load = env.get("load_before", "-")
+    try:
+        busy = max(float(x) for x in str(load).split()) > 0.5 * env["cpu_count"]
+    except (ValueError, TypeError):
+        busy = False
+    if busy:
+        notes.append(
+            f"The machine was not quiet (load average {load} on {env['cpu_count']} "
+            "cores): expect wide intervals, and trust the ✓/✗ marks over the "
+            "medians."
+        )
+    return notes
+
+
+def performance_page(
+    payloads: dict[str, dict[str, Any]],
+    env: dict[str, Any],
+    command: str,
+    tiny: bool,
+    images: dict[str, str],
+) -> str:
+    """docs/performance.md, generated from the same results as results.md."""
+    steps = payloads.get("step_overhead", {}).get("result") or {}
+    lines = [
+        "# Performance",
+        "",
+        "<!-- Generated by benchmarks/run.py from benchmarks/results.json: do not "
+        "edit by hand; rerun `python benchmarks/run.py --render-only`. -->",
+        "",
+        "eqx_state's training step is measured side by side with hand-written JAX "
+        "(`jax.jit` with donation on dicts and tuples: ratio 1.0) and with each peer "
+        "written two ways: its **expert forms** (the fastest forms its own docs "
+        "recommend, e.g. Equinox's low-overhead loop, Flax NNX's tree-mode "
+        "`nnx.jit_partial` and functional loop) and its **default usage** (the form "
+        "its docs start from). Every variant is first checked against the "
+        "hand-written reference (losses, weights, running statistics); variants are "
+        "timed in interleaved rounds, and every ratio is the median of same-round "
+        "ratios with a bootstrap 95% interval. A target is ✓ only when its interval "
+        "lies inside it.",
+        "",
+        f"From `{command}` on {env['date']}: {env['cpu']}, {env['cpu_count']} cores, "
+        f"JAX {env['packages'].get('jax', '-')}; eqx_state commit {env['commit']}; "
+        f"load average {env['load_before']} / {env['load_after']} (before / "
+        "after). `benchmarks/results.md` has every table, `benchmarks/README.md` "
+        "how to read and reproduce them.",
+        "",
+    ]
+    for note in _caveats(payloads, env):
+        lines += ["!!! warning", "", f"    {note}", ""]
+    if tiny:
+        lines += [
+            "!!! warning",
+            "",
+            "    A tiny smoke run: these numbers mean nothing.",
+            "",
+        ]
+    lines += ["## Targets", "", *render_targets(payloads, tiny), ""]
+    if steps:
+        lines += [
+            "## Against each peer, expert forms beside default usage",
+            "",
+            "Per training step, × pure JAX [95% interval], pipelined (consecutive "
+            "calls, as a training loop runs). A peer's default usage appears only "
+            "where one of its expert forms was measured too.",
+            "",
+            *peers_table(steps, "", only_with_expert=True),
+            "",
+        ]
+        if "step_overhead" in images:
+            lines += [f"![step overhead]({images['step_overhead']})", ""]
+    by_n = many_cells_rows(payloads)
+    if by_n:
+        lines += [
+            "## Many cells",
+            "",
+            "How the overhead over pure JAX grows with the number of BatchNorms N "
+            "(a deep residual MLP, width 8): its least-squares slope b (µs per "
+            "BatchNorm) and log-log exponent k over all N, with bootstrap 95% "
+            "intervals.",
+            "",
+            *render_many_cells(payloads["many_cells"]["result"], only_with_expert=True)[
+                2:
+            ],
+            "",
+        ]
+        if "many_cells" in images:
+            lines += [f"![many cells]({images['many_cells']})", ""]
+    for name, title in (
+        ("kv_cache", "KV-cache decoding"),
+        ("scaling", "Data-parallel scaling"),
+    ):
+        if name in images:
+            lines += [f"## {title}", "", f"![{name}]({images[name]})", ""]
+    variants = render_variants(payloads)
+    if variants:
+        lines += ["## What each variant is", "", *variants, ""]
+    lines += [
+        "## Reproduce",
+        "",
+        "```bash",
+        'pip install -e ".[bench]"',
+        "python benchmarks/run.py          # ~15 min on 2 cores; rewrites this page",
+        "python benchmarks/run.py --tiny --out /tmp/bench   # smoke run",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def readme_block(
+    payloads: dict[str, dict[str, Any]], env: dict[str, Any], tiny: bool
+) -> str:
+    """The README's performance block: the targets, and where the rest is."""
+    lines = [
+        BEGIN,
+        "<!-- Generated by benchmarks/run.py; do not edit by hand. -->",
+        "",
+        f"Measured by `python benchmarks/run.py` ({env['date'][:10]}, "
+        f"{env['cpu']}, {env['cpu_count']} cores, commit {env['commit']}). Ratios: "
+        "median of same-round ratios [bootstrap 95% interval]; ✓ only when the "
+        "interval is inside the target, ? when the run cannot tell.",
+        "",
+        *_table(
+            ["issue", "workload", "measure", "target", "value mode", "ref mode"],
+            targets(payloads, tiny),
+            left=4,
+        ),
+        "",
+    ]
+    for note in _caveats(payloads, env):
+        lines += [f"> {note}", ""]
+    lines += [
+        "Every peer is measured in its expert forms beside its default usage: see "
+        "[docs/performance.md](docs/performance.md) and `benchmarks/results.md`.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_docs(
+    root: Path,
+    payloads: dict[str, dict[str, Any]],
+    env: dict[str, Any],
+    command: str,
+    tiny: bool,
+    out: Path,
+) -> None:
+    """Regenerate `root/docs/performance.md`, its plots under `root/docs/img/`, and
+    the README's block between BEGIN and END (left alone if the README has no such
+    block)."""
+    img = root / "docs" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    images = {}
+    for name in ("step_overhead", "many_cells", "kv_cache", "scaling", "summary"):
+        src = out / f"{name}.png"
+        if src.exists() and (
+            name == "summary" or "error" not in payloads.get(name, {})
+        ):
+            dst = img / f"bench_{name}.png"
+            if src.resolve() != dst.resolve():
+                shutil.copyfile(src, dst)
+            images[name] = f"img/bench_{name}.png"
+    if _missing_experts(payloads):
+        # Those plots show every row, a peer's default usage without its expert forms
+        # among them: left out until a run has both.
+        images.pop("step_overhead", None)
+        images.pop("many_cells", None)
+    page = performance_page(payloads, env, command, tiny, images)
+    (root / "docs" / "performance.md").write_text(page, encoding="utf-8")
+    readme = root / "README.md"
+    if readme.exists():
+        text = readme.read_text(encoding="utf-8")
+        pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+        if pattern.search(text):
+            block = readme_block(payloads, env, tiny)
+            readme.write_text(pattern.sub(lambda _: block, text), encoding="utf-8")
+
+
 def plot_summary(steps: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    """Step-time and compile-time ratios to pure JAX, per size and variant."""
+    """Per size: each variant's step time × pure JAX (median of same-round ratios)
+    with its bootstrap 95% interval, pipelined; log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -607,25 +1217,31 @@ def plot_summary(steps: dict[str, dict[str, dict[str, Any]]], path: Path) -> Non
     import numpy as np
 
     sizes = list(steps)
-    names = [n for n in next(iter(steps.values())) if n != "pure_jax"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.8 / len(names)
-    for ax, (title, value) in zip(
-        axes,
-        [
-            ("step time × pure JAX", lambda rows, n: rows[n]["ratio"]),
-            ("compile time (first call) × pure JAX", compile_ratio),
-        ],
-        strict=True,
-    ):
-        for i, name in enumerate(names):
-            ys = [value(steps[s], name) if name in steps[s] else np.nan for s in sizes]
-            ax.bar(np.arange(len(sizes)) + i * width, ys, width, label=name)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(sizes)) + 0.4 - width / 2, sizes)
-        ax.set_yscale("log")
-        ax.set_title(title)
-    axes[0].legend(fontsize=8)
+    names: list[str] = []
+    for rows in steps.values():
+        names += [n for n in _order(rows) if n not in names and n != "pure_jax"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(names)), 4.5))
+    width = 0.8 / len(sizes)
+    for i, size in enumerate(sizes):
+        mids, errs = [], []
+        for n in names:
+            r = ratio(steps[size], n)
+            if r is None:
+                mids.append(np.nan)
+                errs.append((0.0, 0.0))
+            else:
+                lo, hi = r["ci"] or (r["median"], r["median"])
+                mids.append(r["median"])
+                errs.append((r["median"] - lo, hi - r["median"]))
+        x = np.arange(len(names)) + i * width
+        ax.bar(x, mids, width, yerr=np.array(errs).T, capsize=2, label=size)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(
+        np.arange(len(names)) + 0.4 - width / 2, names, rotation=40, ha="right"
+    )
+    ax.set_yscale("log")
+    ax.set_ylabel("step time × pure JAX (95% CI)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -635,6 +1251,10 @@ def plot_summary(steps: dict[str, dict[str, dict[str, Any]]], path: Path) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    if str(_ROOT) not in sys.path:
+        # Reports may load step_overhead.py (what older results' variants are),
+        # which imports eqx_state: this checkout's, as the benchmarks themselves do.
+        sys.path.insert(0, str(_ROOT))
     given = list(sys.argv[1:] if argv is None else argv)
     if given[:1] == ["--_child"]:
         _child(given[1], given[2], given[3:])
@@ -661,8 +1281,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument(
         "--render-only",
         action="store_true",
-        help="run nothing: rewrite results.md and summary.png from --out's "
-        "results.json (after changing how results are reported)",
+        help="run nothing: rewrite the reports from --out's results.json (after "
+        "changing how results are reported)",
+    )
+    parser.add_argument(
+        "--docs-root",
+        type=Path,
+        default=None,
+        help="also regenerate DIR/docs/performance.md, DIR/docs/img/bench_*.png and "
+        "the README block of DIR (default: this repository when --out is the "
+        "default folder and the run is not --tiny; else none)",
+    )
+    parser.add_argument(
+        "--no-docs", action="store_true", help="never touch docs/ or the README"
+    )
+    parser.add_argument(
+        "--note",
+        default=None,
+        help="a caveat printed at the top of docs/performance.md and in the README "
+        "block (e.g. that the run predates a change of the core)",
     )
     args = parser.parse_args(given)
     jobs = args.jobs or (len(args.only) if args.tiny else 1)
@@ -671,9 +1308,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     if args.render_only:
         saved = json.loads((args.out / "results.json").read_text("utf-8"))
         env, payloads = saved["environment"], saved["benchmarks"]
-        given, seconds = saved["argv"], saved["seconds"]
-        args.tiny = "--tiny" in given
+        run_argv, seconds = saved["argv"], saved["seconds"]
+        args.tiny = "--tiny" in run_argv
     else:
+        run_argv = given
         env = environment()
         env["load_before"] = _load()
         t0 = time.perf_counter()
@@ -684,34 +1322,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     steps = payloads.get("step_overhead", {}).get("result")
     if steps:
         plot_summary(steps, args.out / "summary.png")
-    command = "python benchmarks/run.py " + " ".join(given)
-    text = markdown(payloads, env, command.strip(), args.tiny, args.out, seconds)
+    command = ("python benchmarks/run.py " + " ".join(run_argv)).strip()
+    text = markdown(payloads, env, command, args.tiny, args.out, seconds)
     (args.out / "results.md").write_text(text, encoding="utf-8")
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {
-                "environment": env,
-                "argv": given,
-                "seconds": seconds,
-                "benchmarks": payloads,
-            },
-            indent=1,
-        ),
-        "utf-8",
-    )
+    if not args.render_only:
+        (args.out / "results.json").write_text(
+            json.dumps(
+                {
+                    "environment": env,
+                    "argv": run_argv,
+                    "seconds": seconds,
+                    "benchmarks": payloads,
+                },
+                indent=1,
+            ),
+            "utf-8",
+        )
+    if args.note:
+        env = dict(env, note=args.note)
+    docs_root = args.docs_root
+    if docs_root is None and not args.tiny and args.out.resolve() == _HERE:
+        docs_root = _ROOT
+    if docs_root is not None and not args.no_docs:
+        write_docs(docs_root, payloads, env, command, args.tiny, args.out)
     print(text)
     failed = [n for n, p in payloads.items() if "error" in p]
     if failed:
         print(f"[run] failed: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
     return payloads
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "-"
 
 
 if __name__ == "__main__":

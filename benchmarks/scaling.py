@@ -187,10 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     results = {}
     for n in a.devices:
+        # The worker imports this checkout's eqx_state (not another installed copy).
+        root = str(Path(__file__).resolve().parent.parent)
         env = dict(
             os.environ,
             XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
             JAX_PLATFORMS="cpu",
+            PYTHONPATH=os.pathsep.join([root, *sys.path]),
         )
         cmd = [sys.executable, __file__, "--worker", str(n)]
         cmd += [
