@@ -16,6 +16,7 @@ from ._buffer import (
 )
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._errors import (
+    RecompileWarning as RecompileWarning,
     StaleModelError as StaleModelError,
     StateError as StateError,
     StateWriteError as StateWriteError,
@@ -38,7 +39,6 @@ from ._state_dict import (
     load_state_dict as load_state_dict,
     state_dict as state_dict,
 )
-from ._step_count import step_count as step_count
 from ._step import (
     Apply as Apply,
     Step as Step,
@@ -46,6 +46,7 @@ from ._step import (
     make_apply as make_apply,
     make_step as make_step,
 )
+from ._step_count import step_count as step_count
 from ._vmap import vmap as vmap
 
 

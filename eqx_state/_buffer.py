@@ -172,7 +172,7 @@ def describe(buf: Buffer) -> str:
     path in the model (`blocks.0.bn.running_mean`)."""
     shape = tuple(getattr(buf.value, "shape", ()))
     path = (_PATHS.get() or {}).get(id(buf.value))
-    where = f" at `{path}`" if path else ""
+    where = f" at {path}" if path else ""
     return f"{type(buf).__name__} cell{where} (shape {shape})"
 
 

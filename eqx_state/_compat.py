@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.core
+import numpy as np
 
 
 # -- types -----------------------------------------------------------------------
@@ -50,6 +51,8 @@ def with_weak_type(x: Any, dtype: Any, weak_type: bool) -> Any:
     strongly-typed array from a weak one, not the other way around."""
     if _convert_element_type is None:  # pragma: no cover
         return x.astype(dtype)
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        dtype = np.dtype(dtype)
     return _convert_element_type(x, dtype, weak_type=weak_type)
 
 

@@ -24,6 +24,7 @@ tracing: what a trace learns about its outputs travels back through jit's output
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
 from ._compat import Tracer, equinox_runtime_error, with_weak_type
-from ._errors import StaleModelError, StepError
+from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
 
 
@@ -151,6 +152,7 @@ class _Plan:
     def _impl(self, donated: list, kept: list, argdyn: list, refs: list) -> Any:
         owner, layout = self.owner, self.layout
         owner.trace_count += 1
+        owner.note_trace(self, argdyn)
         n = len(layout.dyn_idx)
         dyn: list[Any] = [None] * n
         for ks, xs in ((self.donated_ks, donated), (self.kept_ks, kept)):
@@ -250,8 +252,31 @@ class Compiled:
         self.jit_kwargs = jit_kwargs
         self.mesh: Any = None
         self.trace_count = 0
+        self._warned = False
+        self._arg_types: dict[int, tuple] = {}
         self._layouts: dict[Any, Any] = {}
         self._by_kinds: dict[Any, _Layout] = {}
+
+    def note_trace(self, plan: _Plan, argdyn: list) -> None:
+        """At trace time: warn once when a plan is traced again because its array
+        arguments changed shape or dtype (a ragged last batch, typically)."""
+        types = tuple((tuple(x.shape), str(x.dtype)) for x in argdyn)
+        before = self._arg_types.get(id(plan))  # plans live as long as this object
+        self._arg_types[id(plan)] = types
+        if before is None or before == types or self._warned:
+            return
+        self._warned = True
+        changed = [f"{a} -> {b}" for a, b in zip(before, types) if a != b]
+        warnings.warn(
+            f"`{self.name}` is compiled again because its array arguments changed "
+            f"({', '.join(changed)}). Each new shape compiles the step again; a short "
+            "last batch is the usual cause: drop it (`drop_last`), or pad it to the "
+            "batch size and mask the padding out of the loss and metrics (BatchNorm "
+            "takes `mask=`). This warning is shown once per step "
+            "(`eqx_state.RecompileWarning`).",
+            RecompileWarning,
+            stacklevel=2,
+        )
 
     def mesh_shardings(self, dyn: list, arg_ks: tuple[int, ...]) -> dict[str, Any]:
         raise NotImplementedError  # pragma: no cover - only steps have a mesh

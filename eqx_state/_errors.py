@@ -17,3 +17,9 @@ class StaleModelError(StateError):
 
 class StepError(StateError):
     """A misuse of `make_step` / `apply` (wrong loss output, changed structure, ...)."""
+
+
+class RecompileWarning(UserWarning):
+    """A compiled step or apply was compiled again for arguments of new shapes or
+    dtypes (e.g. a ragged last batch). Filter it with
+    `warnings.simplefilter("ignore", es.RecompileWarning)` when that is intended."""

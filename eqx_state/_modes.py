@@ -212,11 +212,12 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | None], dict[int, str]]:
         v = buf.value
         if _is_ref(v):
             record.append(buf)
-            paths[id(v)] = path
+            paths[id(v)] = f"`{path}` (ref mode)"
             return buf
         record.append(None)
         ref = jax.new_ref(v, kind=REF_KIND)
-        paths[id(ref)] = path  # refs are mutable objects: identity names them
+        # refs are mutable objects: identity names them
+        paths[id(ref)] = f"`{path}` (value mode)"
         return _rebuild(buf, value=ref, witness=_witness(v))
 
     thawed = _map_cells_with_path(one, model)

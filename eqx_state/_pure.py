@@ -17,7 +17,7 @@ import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
 from ._errors import StepError
-from ._modes import refreeze, thaw
+from ._modes import refreeze, thaw, without_witnesses
 
 
 def train_step(
@@ -27,7 +27,7 @@ def train_step(
     kwargs: dict,
     *,
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
+    optimizer: Any,
     has_aux: bool,
     trainable: Any = None,
     microbatches: int | None = None,
@@ -87,12 +87,16 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
     `trainable` selects it. `trainable` is `None` (every parameter), or an Equinox
     filter spec: a callable `leaf -> bool`, or a prefix of the model's tree of bools
     and callables (as for `eqx.filter`)."""
+    # Cells are never trained; compare the filter with the model without the cells'
+    # shape witnesses, so that a spec made from either mode fits either mode.
+    model = without_witnesses(model)
     nodes, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_state)
     if trainable is None:
         flags = None
     else:
         marker = _Unselected()
-        selected = eqx.filter(model, trainable, replace=marker)
+        spec = without_witnesses(trainable)  # a no-op on a callable
+        selected = eqx.filter(model, spec, replace=marker)
         flags = iter(x is not marker for x in jax.tree_util.tree_leaves(selected))
     mask = []
     for node in nodes:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, is_state
-from ._modes import to_refs
 from ._errors import StaleModelError
+from ._modes import to_refs
 from .nn._batched import Batched
 
 

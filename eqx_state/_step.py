@@ -30,7 +30,7 @@ class Step:
     def __init__(
         self,
         loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,
         *,
         has_aux: bool = False,
         return_loss: bool = False,
@@ -182,7 +182,7 @@ class Apply:
 
 def make_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
+    optimizer: Any,
     *,
     has_aux: bool = False,
     return_loss: bool = False,
@@ -213,7 +213,8 @@ def make_step(
 
     - `loss_fn`: `loss_fn(model, *args, **kwargs) -> loss` (a scalar), or
         `-> (loss, aux)` with `has_aux=True`.
-    - `optimizer`: an `optax.GradientTransformation`.
+    - `optimizer`: an optax optimizer (an `optax.GradientTransformation`, or
+        anything with its `init` / `update`, such as `optax.MultiSteps`).
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`; the step then returns
         `aux` last.
     - `return_loss`: also return the loss (after the optimizer state).

@@ -1,0 +1,82 @@
+"""Every JAX internal that eqx_state uses lives in `eqx_state/_compat.py`. These
+tests check each one against the installed JAX, so that an upgrade that moves or
+changes one fails here, loudly, instead of somewhere inside a training step."""
+
+import pathlib
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+from eqx_state import _compat
+
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eqx_state"
+
+
+def test_no_private_jax_outside_the_compat_module():
+    pattern = re.compile(r"jax\._src|_refs\._buf|equinox\._|from equinox import _")
+    offenders = [
+        f"{p.relative_to(PACKAGE)}:{i}"
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "_compat.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == []
+
+
+def test_ref_types_include_views():
+    assert jax.Ref in _compat.REF_TYPES
+    assert len(_compat.REF_TYPES) == 2, "TransformedRef moved: update _compat.py"
+
+    @jax.jit
+    def f(x):
+        r = jax.new_ref(x)
+        view = r.at[0]
+        assert isinstance(view, _compat.REF_TYPES)
+        assert not isinstance(view, jax.Array)
+        view[...] = view[...] + 1.0
+        return jax.freeze(r)
+
+    assert f(jnp.zeros((2, 3))).tolist() == [[1.0] * 3, [0.0] * 3]
+
+
+def test_is_batched_sees_vmapped_values_only():
+    seen = []
+    jax.vmap(lambda x: seen.append(_compat.is_batched(x)) or x)(jnp.ones((2, 3)))
+    assert seen == [True]
+    assert not _compat.is_batched(jnp.ones(3))
+    assert _compat._BatchTracer is not None, "BatchTracer moved: update _compat.py"
+
+
+def test_with_weak_type_makes_weak_and_strong():
+    strong = jnp.asarray(1.0, jnp.float32)
+    assert not strong.weak_type
+    weak = _compat.with_weak_type(strong, jnp.float32, True)
+    assert weak.weak_type and weak.dtype == jnp.float32 and float(weak) == 1.0
+    assert not _compat.with_weak_type(weak, jnp.float32, False).weak_type
+    assert _compat._convert_element_type is not None
+
+
+def test_ref_is_consumed_reads_a_deleted_buffer():
+    r = jax.new_ref(jnp.ones(3))
+    assert not _compat.ref_is_consumed(r)
+    buf = r._refs._buf  # the layout `_compat.ref_is_consumed` reads
+    buf.delete()
+    assert _compat.ref_is_consumed(r)
+    assert not _compat.ref_is_consumed(jnp.ones(3))
+
+
+def test_equinox_runtime_error_is_recognised():
+    @jax.jit
+    def f(x):
+        return eqx.error_if(x, x > 0, "positive!")
+
+    with pytest.raises(Exception) as info:  # noqa: B017 -- whatever JAX raises
+        jax.block_until_ready(f(jnp.ones(())))
+    err = _compat.equinox_runtime_error(info.value)
+    assert isinstance(err, eqx.EquinoxRuntimeError) and "positive!" in str(err)
+    assert _compat.equinox_runtime_error(ValueError("unrelated")) is None

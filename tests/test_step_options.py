@@ -1,0 +1,194 @@
+"""`make_step`'s options for the training-loop habits PyTorch users bring (issue
+14): freezing (`trainable=`), the loss (`return_loss=`), the step count
+(`es.step_count`), a ragged last batch, and errors that name the cell."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+MODES = ["value", "ref"]
+
+
+class Net(eqx.Module):
+    body: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.body = eqx.nn.Linear(3, 6, key=k1)
+        self.bn = es.nn.BatchNorm(6)
+        self.head = eqx.nn.Linear(6, 2, key=k2)
+
+    def __call__(self, x):
+        return jax.vmap(self.head)(jax.nn.relu(self.bn(jax.vmap(self.body)(x))))
+
+
+def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def data(n=5, batch=8):
+    kx, ky = jax.random.split(jax.random.key(3))
+    return jax.random.normal(kx, (n, batch, 3)), jax.random.normal(ky, (n, batch, 2))
+
+
+def head_only(model):
+    spec = jax.tree.map(lambda _: False, model)
+    return eqx.tree_at(
+        lambda m: m.head, spec, replace_fn=lambda h: jax.tree.map(lambda _: True, h)
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_parameters_get_no_update_even_from_weight_decay(mode):
+    """AdamW with weight decay and momentum: the frozen body is bit-for-bit
+    unchanged; the head trains exactly as a hand-written loop that differentiates
+    and updates the head only (BatchNorm statistics threaded by hand)."""
+    xs, ys = data()
+    opt = optax.adamw(1e-2, weight_decay=0.5)
+    model = Net(jax.random.key(0))
+    body_w = np.asarray(model.body.weight)
+    step = es.make_step(loss_fn, opt, trainable=head_only(model))
+    m = es.to_refs(model) if mode == "ref" else model
+    opt_state = step.init(m)
+    assert jax.tree.leaves(opt_state[0].mu)[0].shape == model.head.weight.shape
+    assert len(jax.tree.leaves(opt_state[0].mu)) == 2  # the head's weight and bias
+    for i in range(len(xs)):
+        m, opt_state = step(m, opt_state, xs[i], ys[i])
+    np.testing.assert_array_equal(m.body.weight, body_w)
+    assert step.trace_count == 1
+
+    # reference: plain JAX, the head as the only differentiated argument
+    ref = Net(jax.random.key(0))
+    head = ref.head
+    ref_state = opt.init(head)
+    mean, var = jnp.zeros(6), jnp.ones(6)
+
+    @jax.jit
+    def ref_step(head, ref_state, mean, var, x, y):
+        def loss(head):
+            z = jax.vmap(ref.body)(x)
+            mu, v = jnp.mean(z, 0), jnp.var(z, 0)
+            h = jax.nn.relu((z - mu) / jnp.sqrt(v + 1e-5) * ref.bn.weight + ref.bn.bias)
+            return jnp.mean((jax.vmap(head)(h) - y) ** 2), (mu, jnp.var(z, 0, ddof=1))
+
+        (_, (mu, uv)), g = jax.value_and_grad(loss, has_aux=True)(head)
+        u, ref_state = opt.update(g, ref_state, head)
+        return (
+            eqx.apply_updates(head, u),
+            ref_state,
+            0.9 * mean + 0.1 * mu,
+            0.9 * var + 0.1 * uv,
+        )
+
+    for i in range(len(xs)):
+        head, ref_state, mean, var = ref_step(head, ref_state, mean, var, xs[i], ys[i])
+    np.testing.assert_allclose(m.head.weight, head.weight, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.bn.running_mean[...], mean, rtol=1e-5, atol=1e-6)
+
+
+def test_trainable_as_a_predicate_and_with_optax_wrappers():
+    xs, ys = data()
+    model = Net(jax.random.key(0))
+    body_w = np.asarray(model.body.weight)
+
+    opt = optax.MultiSteps(optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), 2)
+    # a predicate: train the 2-D weights except the body's (chosen by shape here)
+    step = es.make_step(
+        loss_fn, opt, trainable=lambda x: eqx.is_array(x) and x.shape != (6, 3)
+    )
+    opt_state = step.init(model)
+    for i in range(4):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    np.testing.assert_array_equal(model.body.weight, body_w)
+    assert int(es.step_count(opt_state)) == 2  # MultiSteps: 4 calls, 2 updates
+    assert step.trace_count == 1
+
+
+def test_return_loss_is_the_loss_before_the_update():
+    xs, ys = data()
+    model = Net(jax.random.key(0))
+    step = es.make_step(
+        lambda m, x, y: (loss_fn(m, x, y), {"n": x.shape[0]}),
+        optax.sgd(0.1),
+        has_aux=True,
+        return_loss=True,
+    )
+    # the loss of the model before the update (a training-mode call writes state:
+    # evaluated on an identical model through es.apply)
+    ref, _ = es.apply(loss_fn, Net(jax.random.key(0)), xs[0], ys[0])
+    model, opt_state, loss, aux = step(model, step.init(model), xs[0], ys[0])
+    np.testing.assert_allclose(loss, ref, rtol=1e-6)
+    assert aux == {"n": 8}
+
+
+@pytest.mark.parametrize(
+    "make_opt, calls, want",
+    [
+        (lambda: optax.adam(1e-3), 3, 3),
+        (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), 3, 3),
+        (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), 3, 3),
+        (lambda: optax.MultiSteps(optax.adam(1e-3), 3), 6, 2),
+    ],
+    ids=["adam", "chain", "inject_hyperparams", "MultiSteps"],
+)
+def test_step_count_reads_optax_counters(make_opt, calls, want):
+    xs, ys = data(n=calls)
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, make_opt())
+    opt_state = step.init(model)
+    for i in range(calls):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    assert int(es.step_count(opt_state)) == want
+
+
+def test_step_count_without_a_counter_says_so():
+    opt_state = optax.sgd(0.1).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="keeps no step counter"):
+        es.step_count(opt_state)
+
+
+def test_a_ragged_last_batch_warns_once():
+    xs, ys = data(n=3, batch=8)
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(2):
+            model, opt_state = step(model, opt_state, xs[i], ys[i])
+    with pytest.warns(es.RecompileWarning, match="drop_last"):
+        model, opt_state = step(model, opt_state, xs[2, :5], ys[2, :5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per step
+        model, opt_state = step(model, opt_state, xs[2, :3], ys[2, :3])
+    assert step.trace_count == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_errors_name_the_cell_path_and_mode(mode):
+    class Outer(eqx.Module):
+        net: Net
+
+    def bad_loss(model, x, y):
+        model.net.bn.running_mean[...] = jnp.zeros(6, jnp.int32)  # a wrong dtype
+        return loss_fn(model.net, x, y)
+
+    xs, ys = data(n=1)
+    model = Outer(Net(jax.random.key(0)))
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(bad_loss, optax.sgd(0.1))
+    with pytest.raises(
+        es.StateWriteError, match=rf"`net\.bn\.running_mean` \({mode} mode\)"
+    ):
+        step(model, step.init(model), xs[0], ys[0])
