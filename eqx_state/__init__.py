@@ -9,6 +9,7 @@ from ._buffer import (
     CounterState as CounterState,
     MetricState as MetricState,
     PowerIterationState as PowerIterationState,
+    RecordState as RecordState,
     RngState as RngState,
     is_array as is_array,
     is_state as is_state,
@@ -29,6 +30,7 @@ from ._orbax import (
     orbax_target as orbax_target,
     to_orbax as to_orbax,
 )
+from ._recorded import recorded as recorded
 from ._reset import reset as reset
 from ._serialisation import (
     deserialise_filter_spec as deserialise_filter_spec,

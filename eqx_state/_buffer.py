@@ -149,6 +149,13 @@ class PowerIterationState(Buffer):
     """Power-iteration vectors (`SpectralNorm`'s `u` and `v`)."""
 
 
+class RecordState(Buffer):
+    """A recording of a model's intermediates: the statistics of an
+    [`eqx_state.nn.Record`][] and the values of an [`eqx_state.nn.Capture`][].
+    Not a [`eqx_state.MetricState`][]: `es.reset(model)` (metrics) leaves recordings
+    alone, `es.reset(model, es.RecordState)` starts them over."""
+
+
 # The paths of the cells of the model a step or an apply is running, by their ref:
 # refs are mutable objects, so their identity is what names a cell during the call.
 _PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(

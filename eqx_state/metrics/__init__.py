@@ -47,6 +47,7 @@ from ._classification import (
 )
 from ._collection import Metrics as Metrics
 from ._extrema import Max as Max, Min as Min
+from ._histogram import Histogram as Histogram
 from ._last_value import LastValue as LastValue
 from ._mean import Mean as Mean, Sum as Sum
 from ._mean_std import MeanStd as MeanStd

@@ -12,6 +12,7 @@ from ._batched import Batched as Batched
 from ._counter import Counter as Counter
 from ._ema import EMA as EMA
 from ._kv_cache import KVCache as KVCache
+from ._record import Capture as Capture, Record as Record, Recorder as Recorder
 from ._rng import Dropout as Dropout, Rng as Rng
 from ._running_norm import RunningNorm as RunningNorm
 from ._spectral_norm import SpectralNorm as SpectralNorm

@@ -1,0 +1,612 @@
+"""Recorders: layers that record what happens inside a model into state cells —
+streaming statistics of an intermediate (`Record`) or its last value (`Capture`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._buffer import RecordState, _is_ref, is_state
+from .._errors import StateWriteError
+from .._modes import freeze
+from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
+from ..metrics._extrema import Max, Min
+from ..metrics._mean import Mean
+from ..metrics._mean_std import MeanStd
+
+
+class _RecordedStatistic(RecordState):
+    """A recorder's statistic: a [`eqx_state.RecordState`][] cell that keeps the
+    merge rule of the metric statistic it stands for (see `_as_metric`)."""
+
+    merge: Any = eqx.field(static=True, default="sum", kw_only=True)
+
+
+def _rekind(cell: Any, cls: type) -> Any:
+    """`cell` as a cell of type `cls` with the same fields (value, witness, init,
+    merge), without running `__init__` (the value may be a ref or a tracer)."""
+    new = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        object.__setattr__(new, f.name, getattr(cell, f.name))
+    return new
+
+
+def _as_recorded(metric: Metric) -> Metric:
+    """A metric whose statistics are recorder cells ([`eqx_state.RecordState`][]),
+    so that `es.reset(model)` (metrics) leaves them alone."""
+    return jax.tree.map(
+        lambda c: _rekind(c, _RecordedStatistic) if isinstance(c, Statistic) else c,
+        metric,
+        is_leaf=is_state,
+    )
+
+
+def _as_metric(metric: Metric, *, read: bool = False) -> Metric:
+    """The metric again, its recorder cells as metric statistics holding the *same*
+    values (refs included), so that the metric's `update` writes the recorder's
+    cells. With `read=True`, a value-mode copy (each cell read once)."""
+
+    def one(c: Any) -> Any:
+        if not isinstance(c, _RecordedStatistic):
+            return c
+        stat = _rekind(c, Statistic)
+        if read:
+            object.__setattr__(stat, "value", c[...])
+            object.__setattr__(stat, "witness", None)
+        return stat
+
+    return jax.tree.map(one, metric, is_leaf=is_state)
+
+
+def _cells(tree: Any) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def _not_writable(recorder: str) -> StateWriteError:
+    return StateWriteError(
+        f"{recorder} was called to record a value, but the model is in value mode "
+        "and no step is running, so its cells hold immutable arrays and the "
+        "recording would be lost. Do one of:\n"
+        "  * run the call through `eqx_state.make_step` or `eqx_state.apply` "
+        "(recording then happens inside the compiled call);\n"
+        "  * switch the model to ref mode, `model = eqx_state.to_refs(model)`;\n"
+        "  * or switch recording off where you do not want it: "
+        "`eqx_state.inference_mode(model, only=eqx_state.nn.Recorder)` (or "
+        "`eqx.nn.inference_mode(model)` for evaluation), which records nothing."
+    )
+
+
+class Recorder(eqx.Module):
+    """The base class of the layers that record a model's intermediates:
+    [`eqx_state.nn.Record`][] (streaming statistics) and [`eqx_state.nn.Capture`][]
+    (the last value). Use it to select them:
+    `es.inference_mode(model, only=es.nn.Recorder)` switches recording off (and
+    `es.inference_mode(model, False, only=es.nn.Recorder)` on again) without
+    touching the other layers; [`eqx_state.recorded`][] reads every recorder of a
+    model.
+
+    Every recorder has an `inference` field, like the other stateful layers: in
+    inference mode ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/),
+    [`eqx_state.inference_mode`][]) it returns its input and records nothing: no
+    operation is added to the traced program, which is then the program of the
+    model without recorders (its cells are carried through a step unchanged).
+    """
+
+    inference: eqx.AbstractVar[bool]
+
+    def read(self) -> dict[str, Array]:
+        """What this recorder holds, by name (`""` for the recorder itself): the
+        entries [`eqx_state.recorded`][] reports under the recorder's path.
+        A read: writes nothing; works eagerly, under `jit` and in both modes."""
+        raise NotImplementedError
+
+    def _stack_shape(self) -> tuple[int, ...]:
+        """The leading axes of a stacked recorder (scan-over-layers, an ensemble):
+        the cells' extra axes in front of their declared shapes."""
+        return ()
+
+
+# ------------------------------------------------------------------------ Record
+
+
+def _identity(x: Array, rec: Record) -> Array:
+    return x
+
+
+def _square(x: Array, rec: Record) -> Array:
+    x = x.astype(rec.dtype)
+    return x * x
+
+
+def _abs(x: Array, rec: Record) -> Array:
+    return jnp.abs(x)
+
+
+def _is_zero(x: Array, rec: Record) -> Array:
+    return (x == 0).astype(rec.dtype)
+
+
+def _nonfinite(x: Array, rec: Record) -> Array:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros(x.shape, rec.dtype)
+    return (~jnp.isfinite(x)).astype(rec.dtype)
+
+
+def _first(c: Any) -> Any:
+    return c
+
+
+def _std(c: Any) -> Any:
+    return c[1]
+
+
+def _sqrt(c: Any) -> Any:
+    return jnp.sqrt(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Builtin:
+    metric: Callable[..., Metric]
+    transform: Callable[[Array, Any], Array]
+    read: Callable[[Any], Any]
+    doc: str
+
+
+_BUILTINS: dict[str, _Builtin] = {
+    "mean": _Builtin(Mean, _identity, _first, "the mean of every value"),
+    "std": _Builtin(
+        MeanStd, _identity, _std, "the (population) standard deviation of every value"
+    ),
+    "rms": _Builtin(Mean, _square, _sqrt, "the root mean square, sqrt(mean(x**2))"),
+    "min": _Builtin(Min, _identity, _first, "the smallest value"),
+    "max": _Builtin(Max, _identity, _first, "the largest value"),
+    "max_abs": _Builtin(Max, _abs, _first, "the largest |x|"),
+    "zero_fraction": _Builtin(
+        Mean, _is_zero, _first, "the fraction of values that are exactly 0"
+    ),
+    "nonfinite_fraction": _Builtin(
+        Mean, _nonfinite, _first, "the fraction of values that are NaN or +-inf"
+    ),
+    "dead_fraction": _Builtin(
+        Mean,
+        _identity,  # computed in `Record._dead` (it needs the batch axes)
+        _first,
+        "the fraction of units that are <= 0 for every example of a batch "
+        "(dead ReLUs), averaged over the calls",
+    ),
+}
+
+
+class Record(Recorder):
+    """Record streaming statistics of an intermediate value, anywhere in a model.
+
+    Put a `Record` in a module and call it on the value to watch; it returns the
+    value unchanged, so it can sit in an `eqx.nn.Sequential` or be a one-line call
+    inside any layer, with no change to any signature between the training loop
+    and that layer:
+
+    ```python
+    class Block(eqx.Module):
+        linear: eqx.nn.Linear
+        act: es.nn.Record
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(64, 64, key=key)
+            self.act = es.nn.Record("std", "dead_fraction")
+
+        def __call__(self, x):  # x: [batch, 64]
+            return self.act(jax.nn.relu(jax.vmap(self.linear)(x)))
+    ```
+
+    Each call adds the value's statistics to state cells (inside
+    [`eqx_state.make_step`][] / [`eqx_state.apply`][], or in place in ref mode),
+    accumulated over the calls since the last reset. Every statistic is a
+    [metric](../api/metrics.md) of the recorded values, with the metric's
+    sufficient statistics and merge rule: `std` is a
+    [`eqx_state.metrics.MeanStd`][] (Chan et al.'s parallel formula), `max_abs` a
+    [`eqx_state.metrics.Max`][] of `|x|`, and so on. So the statistics are exact
+    over the global batch in a data-parallel step (`make_step(..., mesh=...)`),
+    merge across devices (`axis_name`) and recorders
+    ([`eqx_state.nn.Record.merge`][]), and start over with
+    `es.reset(model, es.RecordState)`. Their cells are
+    [`eqx_state.RecordState`][]s, not metrics: `es.reset(model)` (which resets
+    metrics) leaves recordings alone.
+
+    Read everything recorded in a model with [`eqx_state.recorded`][], a flat
+    `{path: value}` mapping ready to log (`"blocks.3.act.std"`).
+
+    **Statistics** (by name; each reads as one value):
+
+    - `"mean"`, `"std"`, `"rms"`: the mean, the population standard deviation
+        and the root mean square of every value recorded;
+    - `"min"`, `"max"`, `"max_abs"`: the smallest, the largest value and the
+        largest `|x|` (NaN propagates: a NaN activation shows);
+    - `"zero_fraction"`: the fraction of values that are exactly 0;
+    - `"nonfinite_fraction"`: the fraction that are NaN or +-inf;
+    - `"dead_fraction"`: the fraction of *units* that are `<= 0` for every example
+        of the batch (dead ReLUs; record the activation before or after the
+        ReLU), averaged over the calls. A unit is a position along the axes that
+        are not `batch_axis`.
+    - any metric, as a keyword argument: `Record(hist=es.metrics.Histogram(20,
+        range=(-3, 3)))` calls `metric.update(x)` (with `mask=` when given) and
+        reads `metric.compute()` (a tuple result reads as `name.0`, `name.1`, ...).
+        Such a metric keeps its own `axis_name`.
+
+    **Arguments:**
+
+    - `*statistics`: the names of built-in statistics (above).
+    - `axis_name`: for per-example code mapped with [`eqx_state.vmap`][] (or
+        per-device code in `jax.shard_map`): the named axis whose members together
+        form the batch; each call's statistics are reduced over it first. Not for
+        `make_step(..., mesh=...)`, which already sees the global batch.
+    - `batch_axis`: for `"dead_fraction"`, the axes of one call's value that
+        index examples (an int or a tuple; e.g. `(0, 2, 3)` for a channel of an
+        `[N, C, H, W]` feature map to count as one unit). Default: `0`, or none
+        with `axis_name` (the examples are then the members of that axis).
+    - `dtype`: the dtype of the statistics (default float32).
+    - `inference`: start switched off (see [`eqx_state.nn.Recorder`][]).
+    - `**metrics`: more statistics, as metrics by name.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    rec = es.to_refs(es.nn.Record("mean", "std", "max_abs"))
+    rec(jnp.array([1.0, -2.0]))
+    rec(jnp.array([3.0, 4.0]))
+    print({k: round(float(v), 4) for k, v in es.recorded(rec).items()})
+    # {'mean': 1.5, 'std': 2.2913, 'max_abs': 4.0}
+    ```
+    """
+
+    metrics: dict[str, Metric]
+    inference: bool
+    names: tuple[str, ...] = eqx.field(static=True)
+    custom: frozenset[str] = eqx.field(static=True, repr=False)
+    axis_name: Hashable | None = eqx.field(static=True)
+    batch_axis: tuple[int, ...] | None = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True, repr=False)
+    shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True, repr=False)
+
+    def __init__(
+        self,
+        *statistics: str,
+        axis_name: Hashable | None = None,
+        batch_axis: int | tuple[int, ...] | None = None,
+        dtype: Any = jnp.float32,
+        inference: bool = False,
+        **metrics: Any,
+    ):
+        if not statistics and not metrics:
+            raise ValueError(
+                "Record needs at least one statistic, e.g. "
+                f"`Record('mean', 'std')`; the built-in ones are {list(_BUILTINS)}, "
+                "and any metric can be given by name, `Record(hist=es.metrics."
+                "Histogram(20, range=(-3.0, 3.0)))`."
+            )
+        for s in statistics:
+            if s not in _BUILTINS:
+                raise ValueError(
+                    f"Record: unknown statistic {s!r}. The built-in statistics are "
+                    f"{list(_BUILTINS)}; record anything else with a metric by "
+                    f"name, e.g. `Record({s}=es.metrics.Mean())`."
+                )
+        names = tuple(statistics) + tuple(metrics)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"Record: the statistic(s) {dup} are given twice.")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"Record: dtype must be floating, got {dtype}.")
+        built: dict[str, Metric] = {}
+        for s in statistics:
+            built[s] = _BUILTINS[s].metric(axis_name=axis_name, dtype=dtype)
+        for name, m in metrics.items():
+            if not isinstance(m, Metric):
+                raise TypeError(
+                    f"Record({name}=...) must be a metric (an eqx_state.metrics."
+                    f"Metric, e.g. es.metrics.Histogram(...)), got {type(m).__name__}."
+                )
+            # its current values, as arrays of its own (a step donates its cells)
+            built[name] = jax.tree.map(
+                lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, freeze(m)
+            )
+        if isinstance(batch_axis, int):
+            batch_axis = (batch_axis,)
+        self.metrics = {k: _as_recorded(m) for k, m in built.items()}
+        self.inference = inference
+        self.names = names
+        self.custom = frozenset(metrics)
+        self.axis_name = axis_name
+        self.batch_axis = None if batch_axis is None else tuple(batch_axis)
+        self.dtype = jnp.dtype(dtype)
+        self.shapes = tuple(tuple(c.shape) for c in _cells(self.metrics))
+
+    def __call__(self, x: Any, *, mask: Any = None, key: Any = None) -> Any:
+        """Record `x` and return it unchanged (in inference mode, only return it).
+
+        **Arguments:**
+
+        - `x`: the value to record (an array of any shape).
+        - `mask`: which values count (a bool array of `x`'s shape or a prefix of
+            it, e.g. `[batch]` for padded batches); masked-out values are not
+            recorded, even NaN ones.
+        - `key`: ignored (accepted for `eqx.nn.Sequential`).
+
+        **Returns:**
+
+        `x`.
+        """
+        del key
+        if self.inference:
+            return x
+        cells = _cells(self.metrics)
+        if not all(_is_ref(c.value) for c in cells):
+            raise _not_writable(f"Record{self.names}")
+        v = jax.lax.stop_gradient(jnp.asarray(x))
+        m = None if mask is None else jax.lax.stop_gradient(jnp.asarray(mask))
+        for name in self.names:
+            metric = _as_metric(self.metrics[name])
+            if name in self.custom:
+                if m is None:
+                    metric.update(v)
+                else:
+                    metric.update(v, mask=m)
+            elif name == "dead_fraction":
+                metric.update(self._dead(v, m))
+            else:
+                values = _BUILTINS[name].transform(v, self)
+                metric.update(values, mask=m)
+        return x
+
+    def _dead(self, x: Array, mask: Array | None) -> Array:
+        """One flag per unit: `x <= 0` for every (unmasked) example."""
+        axes = self.batch_axis
+        if axes is None:
+            axes = () if self.axis_name is not None else (0,)
+        axes = tuple(a % x.ndim if x.ndim else a for a in axes)
+        if any(not 0 <= a < x.ndim for a in axes) or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"Record('dead_fraction', batch_axis={self.batch_axis}) got a value "
+                f"of shape {x.shape}: the batch axes must be distinct axes of the "
+                "value. A unit is dead when it is <= 0 for every example, so the "
+                "value needs its batch axis (record the batch, `[batch, features]`); "
+                "per-example code mapped with `es.vmap` takes `axis_name=` instead."
+            )
+        off = x <= 0
+        if mask is not None:
+            keep = _fit("mask", _truthy(mask), x.shape)
+            off = off | ~keep
+        dead = jnp.all(off, axis=axes)
+        if self.axis_name is not None:
+            dead = jax.lax.pmin(dead.astype(jnp.int32), self.axis_name) > 0
+        return dead.astype(self.dtype)
+
+    def read(self) -> dict[str, Array]:
+        """Every statistic's current value, by name (a read; `{"std": ...}`).
+
+        **Returns:**
+
+        `{name: value}`, in the order the statistics were given; a stacked
+        recorder's values have its stacking axes in front.
+        """
+        out: dict[str, Array] = {}
+        for name in self.names:
+            metric = _as_metric(self.metrics[name], read=True)
+            reader = _first if name in self.custom else _BUILTINS[name].read
+
+            def value(m: Metric, reader: Callable = reader) -> Any:
+                return reader(m.compute())
+
+            for _ in self._stack_shape():
+                value = eqx.filter_vmap(value)
+            result = value(metric)
+            if isinstance(result, tuple):
+                for i, r in enumerate(result):
+                    out[f"{name}.{i}"] = r
+            else:
+                out[name] = result
+        return out
+
+    def _stack_shape(self) -> tuple[int, ...]:
+        cells = _cells(self.metrics)
+        actual, declared = tuple(cells[0].value.shape), self.shapes[0]
+        return actual[: len(actual) - len(declared)]
+
+    def _check_mergeable(self, other: Any, what: str) -> None:
+        if not isinstance(other, Record) or (
+            (other.names, other.custom, other.axis_name, other.batch_axis, other.dtype)
+            != (self.names, self.custom, self.axis_name, self.batch_axis, self.dtype)
+        ):
+            raise ValueError(
+                f"Record.{what}: can only combine recorders built with the same "
+                f"statistics and options; got {self._config()} and "
+                f"{other._config() if isinstance(other, Record) else type(other).__name__}."
+            )
+
+    def _config(self) -> str:
+        return f"Record{self.names}(axis_name={self.axis_name!r})"
+
+    def merge(self, other: Record) -> Record:
+        """The recorder holding the statistics of both (pure: a new value-mode
+        recorder; neither changes): each statistic merges by its metric's rule, so
+        merging recorders of different shards of the data equals one recorder
+        that saw it all.
+
+        **Arguments:**
+
+        - `other`: a recorder built with the same statistics and options.
+
+        **Returns:**
+
+        The merged recorder.
+        """
+        self._check_mergeable(other, "merge")
+        new = {
+            k: _as_recorded(
+                _as_metric(self.metrics[k], read=True).merge(
+                    _as_metric(other.metrics[k], read=True)
+                )
+            )
+            for k in self.names
+        }
+        return eqx.tree_at(lambda r: r.metrics, self, new)
+
+    def reduce(self, axis_name: Hashable) -> Record:
+        """Merge this recorder over the named axis `axis_name` (of `jax.shard_map`,
+        `jax.pmap` or `jax.vmap`), as [`eqx_state.metrics.Metric.reduce`][]: for
+        recorders that recorded per-device data without `axis_name`.
+
+        **Arguments:**
+
+        - `axis_name`: the axis (or tuple of axes).
+
+        **Returns:**
+
+        A new value-mode recorder, the same on every member of the axis.
+        """
+        new = {
+            k: _as_recorded(_as_metric(self.metrics[k], read=True).reduce(axis_name))
+            for k in self.names
+        }
+        return eqx.tree_at(lambda r: r.metrics, self, new)
+
+
+# ----------------------------------------------------------------------- Capture
+
+
+class Capture(Recorder):
+    """Capture the last value of an intermediate array (the latest batch's
+    activations, attention weights), for inspection after a call.
+
+    Like [`eqx_state.nn.Record`][], it is called on the value anywhere in a model
+    and returns it unchanged; each call overwrites the captured array. The array
+    has a fixed shape and dtype, given when the capture is built (state cells
+    have fixed shapes: the batch size is part of it). Read it with `capture.value[...]`,
+    `capture.last`, or through [`eqx_state.recorded`][] (under the capture's path).
+
+    Its cells are [`eqx_state.RecordState`][]s: `value` (zeros before the first
+    capture) and `count`, the number of captures (tells "nothing captured yet"
+    apart from zeros). `es.reset(model, es.RecordState)` clears both. In inference
+    mode it captures nothing (see [`eqx_state.nn.Recorder`][]).
+
+    **Arguments:**
+
+    - `shape`: the shape of the captured array (with `axis_name`: of the gathered
+        array, `[axis_size, *per_member_shape]`).
+    - `dtype`: its dtype (default float32). Values of a narrower dtype of the same
+        kind are widened exactly; a wider one is an error (no silent rounding).
+    - `axis_name`: for per-example code mapped with [`eqx_state.vmap`][] (or
+        `jax.shard_map`): capture every member's value, stacked along a new
+        leading axis in axis order.
+    - `inference`: start switched off.
+
+    **Example:**
+
+    ```python
+    import jax.numpy as jnp
+    import eqx_state as es
+
+    cap = es.to_refs(es.nn.Capture((2,)))
+    cap(jnp.array([1.0, 2.0]))
+    cap(jnp.array([3.0, 4.0]))
+    print(cap.last, int(cap.count[...]))  # [3. 4.] 2
+    ```
+    """
+
+    value: RecordState
+    count: RecordState
+    inference: bool
+    shape: tuple[int, ...] = eqx.field(static=True)
+    axis_name: Hashable | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any = jnp.float32,
+        *,
+        axis_name: Hashable | None = None,
+        inference: bool = False,
+    ):
+        try:
+            shape = tuple(int(s) for s in shape)
+        except TypeError:
+            raise TypeError(
+                f"Capture: shape must be a tuple of ints, got {shape!r}."
+            ) from None
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Capture: shape must be non-negative, got {shape}.")
+        init = False if jnp.dtype(dtype) == jnp.bool_ else 0
+        self.value = _RecordedStatistic(
+            jnp.zeros(shape, dtype), init=init, merge="custom"
+        )
+        self.count = _RecordedStatistic(jnp.zeros((), jnp.int32), init=0)
+        self.inference = inference
+        self.shape = shape
+        self.axis_name = axis_name
+
+    @property
+    def last(self) -> Array:
+        """The last captured array (zeros before the first capture)."""
+        return self.value[...]
+
+    def __call__(self, x: Any, *, key: Any = None) -> Any:
+        """Capture `x` and return it unchanged (in inference mode, only return it).
+
+        **Arguments:**
+
+        - `x`: an array of the capture's shape (with `axis_name`: this member's
+            part) and a dtype that widens exactly to the capture's.
+        - `key`: ignored (accepted for `eqx.nn.Sequential`).
+
+        **Returns:**
+
+        `x`.
+        """
+        del key
+        if self.inference:
+            return x
+        if not (_is_ref(self.value.value) and _is_ref(self.count.value)):
+            raise _not_writable(f"Capture{self.shape}")
+        v = jax.lax.stop_gradient(jnp.asarray(x))
+        if self.axis_name is not None:
+            v = _gather(v, self.axis_name)
+        dtype = self.value.dtype
+        if tuple(v.shape) != self.shape:
+            what = " (gathered over the axis)" if self.axis_name is not None else ""
+            raise ValueError(
+                f"Capture(shape={self.shape}) got a value of shape "
+                f"{tuple(v.shape)}{what}. A capture keeps one array of a fixed shape "
+                "(the batch size is part of it): build it with the shape of the "
+                "value it records, e.g. `Capture((batch, features))`, or record "
+                "statistics of values of any shape with `es.nn.Record`."
+            )
+        if v.dtype != dtype:
+            if jnp.promote_types(v.dtype, dtype) != dtype or (
+                jnp.issubdtype(v.dtype, jnp.inexact)
+                != jnp.issubdtype(dtype, jnp.inexact)
+            ):
+                raise ValueError(
+                    f"Capture(dtype={jnp.dtype(dtype).name}) got a value of dtype "
+                    f"{v.dtype}, which it cannot hold exactly. Build the capture "
+                    f"with the value's dtype, `Capture(shape, dtype=jnp.{v.dtype})`."
+                )
+            v = v.astype(dtype)
+        self.value[...] = v
+        self.count[...] = self.count[...] + 1
+        return x
+
+    def read(self) -> dict[str, Array]:
+        """`{"": last value}`: a capture reports under its own path."""
+        return {"": self.value[...]}
+
+    def _stack_shape(self) -> tuple[int, ...]:
+        actual = tuple(self.value.value.shape)
+        return actual[: len(actual) - len(self.shape)]

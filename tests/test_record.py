@@ -1,0 +1,531 @@
+"""Recorders (`es.nn.Record`, `es.nn.Capture`, `es.recorded`): recorded statistics
+equal float64 NumPy over the activations of a plain forward pass that returns them;
+captures equal the intermediate of an uncaptured forward; both modes, make_step,
+apply, es.vmap, scan over layers; reset, merge, inference mode, bad input."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+BUILTINS = (
+    "mean",
+    "std",
+    "rms",
+    "min",
+    "max",
+    "max_abs",
+    "zero_fraction",
+    "nonfinite_fraction",
+    "dead_fraction",
+)
+BINS, RANGE = 8, (-0.5, 1.5)
+
+
+def _np_stats(chunks):
+    """Float64 NumPy reference of every built-in statistic (and the histogram) over
+    the recorded calls `chunks` (one `[batch, features]` array per call)."""
+    chunks = [np.asarray(c, np.float64) for c in chunks]
+    flat = np.concatenate([c.ravel() for c in chunks])
+    return {
+        "mean": flat.mean(),
+        "std": flat.std(),
+        "rms": np.sqrt(np.mean(flat**2)),
+        "min": flat.min(),
+        "max": flat.max(),
+        "max_abs": np.abs(flat).max(),
+        "zero_fraction": np.mean(flat == 0),
+        "nonfinite_fraction": np.mean(~np.isfinite(flat)),
+        # per call: the fraction of units <= 0 on every example; averaged over calls
+        "dead_fraction": np.mean([np.mean(np.all(c <= 0, axis=0)) for c in chunks]),
+        "hist": np.histogram(flat, bins=BINS, range=RANGE)[0],
+    }
+
+
+def _check(recorded, prefix, chunks, rtol=1e-5):
+    want = _np_stats(chunks)
+    for name, value in want.items():
+        got = np.asarray(recorded[f"{prefix}.{name}"], np.float64)
+        np.testing.assert_allclose(got, value, rtol=rtol, atol=1e-6, err_msg=name)
+
+
+def _record():
+    return es.nn.Record(*BUILTINS, hist=es.metrics.Histogram(BINS, range=RANGE))
+
+
+class MLP(eqx.Module):
+    layers: list
+    recs: list
+    cap: es.nn.Capture
+
+    def __init__(self, sizes, batch, key):
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = [
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
+        ]
+        self.recs = [_record() for _ in sizes[1:-1]]
+        self.cap = es.nn.Capture((batch, sizes[1]))
+
+    def forward(self, x):
+        """The plain forward pass: the output and every hidden activation."""
+        acts = []
+        for lin in self.layers[:-1]:
+            x = jax.nn.relu(jax.vmap(lin)(x))
+            acts.append(x)
+        return jax.vmap(self.layers[-1])(x), acts
+
+    def __call__(self, x):
+        for i, (lin, rec) in enumerate(zip(self.layers[:-1], self.recs)):
+            x = rec(jax.nn.relu(jax.vmap(lin)(x)))
+            if i == 0:
+                x = self.cap(x)
+        return jax.vmap(self.layers[-1])(x)
+
+
+def _loss(model, x, y):
+    return jnp.mean((model(x)[:, 0] - y) ** 2)
+
+
+def _data(steps=3, batch=16, features=5, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    xs = jax.random.normal(kx, (steps, batch, features))
+    ys = jax.random.normal(ky, (steps, batch))
+    return xs, ys
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_make_step_statistics_equal_numpy_over_the_activations(ref_mode):
+    xs, ys = _data()
+    model = MLP((5, 12, 12, 1), batch=16, key=jax.random.key(0))
+    # a bias pushing some units below zero everywhere, so dead units exist
+    model = eqx.tree_at(
+        lambda m: m.layers[1].bias, model, model.layers[1].bias.at[:4].set(-50.0)
+    )
+    if ref_mode:
+        model = es.to_refs(model)
+    step = es.make_step(_loss, optax.sgd(0.05))
+    opt_state = step.init(model)
+    seen = [[], []]
+    forward = eqx.filter_jit(lambda m, x: m.forward(x))
+    for x, y in zip(xs, ys):
+        _, acts = forward(es.freeze(model), x)  # the activations this step sees
+        for s, a in zip(seen, acts):
+            s.append(a)
+        model, opt_state = step(model, opt_state, x, y)
+    rec = es.recorded(model)
+    assert sorted(rec) == sorted(
+        [f"recs.{i}.{n}" for i in (0, 1) for n in (*BUILTINS, "hist")] + ["cap"]
+    )
+    for i in (0, 1):
+        _check(rec, f"recs.{i}", seen[i])
+    assert float(rec["recs.1.dead_fraction"]) >= 4 / 12  # the units pushed down
+    # the capture holds the last step's first activation, exactly
+    np.testing.assert_array_equal(rec["cap"], seen[0][-1])
+    assert int(model.cap.count[...]) == 3
+    assert step.trace_count == 1
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_apply_and_capture_equal_the_uncaptured_forward(ref_mode):
+    xs, _ = _data(steps=2)
+    model = MLP((5, 12, 12, 1), batch=16, key=jax.random.key(3))
+    if ref_mode:
+        model = es.to_refs(model)
+    call = es.make_apply(lambda m, x: m(x))
+    outs, seen = [], []
+    for x in xs:
+        want_out, acts = eqx.filter_jit(lambda m, x: m.forward(x))(
+            es.freeze(model), x
+        )
+        out, model = call(model, x)
+        # recording does not change what the model computes
+        np.testing.assert_array_equal(out, want_out)
+        outs.append(acts)
+        seen.append(acts[0])
+    np.testing.assert_array_equal(model.cap.last, seen[-1])
+    _check(es.recorded(model), "recs.0", [a[0] for a in outs])
+    _check(es.recorded(model), "recs.1", [a[1] for a in outs])
+
+
+def test_eager_ref_mode_records_in_place():
+    rec = es.to_refs(_record())
+    x1 = jnp.array([[0.0, -1.0, 2.0], [0.5, -3.0, 0.0]])
+    x2 = jnp.array([[4.0, -2.0, 0.25]])
+    assert rec(x1) is x1  # returns its input
+    rec(x2)
+    got = es.recorded(rec)
+    for name, want in _np_stats([x1, x2]).items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, err_msg=name)
+
+
+def test_streaming_statistics_over_many_calls_and_large_offsets():
+    # Chan et al.'s merge: std of values with a large common offset stays accurate
+    key = jax.random.key(0)
+    chunks = [
+        1e3 + jax.random.normal(k, (64, 8)) for k in jax.random.split(key, 5)
+    ]
+    rec = es.to_refs(es.nn.Record("mean", "std"))
+    for c in chunks:
+        rec(c)
+    want = np.concatenate([np.asarray(c, np.float64).ravel() for c in chunks])
+    got = es.recorded(rec)
+    np.testing.assert_allclose(got["mean"], want.mean(), rtol=1e-6)
+    np.testing.assert_allclose(got["std"], want.std(), rtol=1e-3)
+
+
+def test_mask_leaves_padding_out_even_nan():
+    x = jnp.array([[1.0, -2.0], [3.0, 0.5], [jnp.nan, 99.0]])
+    mask = jnp.array([True, True, False])
+    rec = es.to_refs(_record())
+    rec(x, mask=mask)
+    got = es.recorded(rec)
+    for name, want in _np_stats([x[:2]]).items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, err_msg=name)
+
+
+def test_nan_and_inf_show_up():
+    x = jnp.array([[1.0, jnp.nan], [jnp.inf, -2.0]])
+    rec = es.to_refs(es.nn.Record("max_abs", "std", "nonfinite_fraction"))
+    rec(x)
+    got = es.recorded(rec)
+    assert np.isnan(got["max_abs"]) and np.isnan(got["std"])
+    assert float(got["nonfinite_fraction"]) == 0.5
+
+
+def test_narrow_dtypes_are_recorded_in_float32():
+    x = jax.random.normal(jax.random.key(0), (32, 16)).astype(jnp.bfloat16) * 300
+    rec = es.to_refs(es.nn.Record("mean", "std", "rms", "max_abs"))
+    rec(x)
+    got = es.recorded(rec)
+    assert all(v.dtype == jnp.float32 for v in got.values())
+    want = _np_stats([np.asarray(x.astype(jnp.float32))])
+    for name in ("mean", "std", "rms", "max_abs"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+
+
+def test_dead_fraction_of_a_feature_map_per_channel():
+    # [N, C, H, W]: a channel is dead when it is <= 0 at every example and position
+    x = np.random.default_rng(0).normal(size=(4, 6, 3, 3)).astype(np.float32)
+    x[:, [1, 4]] = -np.abs(x[:, [1, 4]])
+    x[2, 1, 0, 0] = 0.0
+    rec = es.to_refs(es.nn.Record("dead_fraction", batch_axis=(0, 2, 3)))
+    rec(jnp.asarray(x))
+    want = np.mean(np.all(x <= 0, axis=(0, 2, 3)))
+    assert float(es.recorded(rec)["dead_fraction"]) == pytest.approx(want)
+    assert want == 2 / 6
+
+
+def test_histogram_matches_numpy_with_weights_and_edges():
+    values = np.array([-1.0, 0.0, 0.25, 0.5, 0.999, 1.0, 1.0, 2.0, np.nan], np.float32)
+    weights = np.arange(1, 10).astype(np.float32)
+    hist = es.to_refs(es.metrics.Histogram(4, range=(0.0, 1.0)))
+    hist.update(jnp.asarray(values), sample_weight=jnp.asarray(weights))
+    keep = ~np.isnan(values)
+    want, edges = np.histogram(
+        values[keep], bins=4, range=(0.0, 1.0), weights=weights[keep]
+    )
+    np.testing.assert_array_equal(hist.compute(), want)
+    np.testing.assert_allclose(hist.edges, edges)
+    assert float(hist.below[...]) == 1.0 and float(hist.above[...]) == 8.0
+
+
+def test_histogram_bad_arguments():
+    with pytest.raises(ValueError, match="bins must be an int >= 1"):
+        es.metrics.Histogram(0, range=(0.0, 1.0))
+    with pytest.raises(ValueError, match="finite with low < high"):
+        es.metrics.Histogram(3, range=(1.0, 1.0))
+
+
+# ---------------------------------------------------------------- per example
+
+
+def test_es_vmap_per_example_equals_the_whole_batch():
+    x = jax.random.normal(jax.random.key(0), (8, 5)) - 0.3
+    whole = es.to_refs(_record())
+    whole(jax.nn.relu(x))
+
+    per = es.nn.Record(
+        *BUILTINS,
+        hist=es.metrics.Histogram(BINS, range=RANGE, axis_name="b"),
+        axis_name="b",
+    )
+
+    def f(rec, x):
+        per_example = es.vmap(
+            lambda r, xi: r(jax.nn.relu(xi)), in_axes=(None, 0), axis_name="b"
+        )
+        return per_example(rec, x)
+
+    _, per = es.apply(f, per, x)
+    got, want = es.recorded(per), es.recorded(whole)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+
+
+def test_capture_with_axis_name_gathers_the_examples():
+    x = jax.random.normal(jax.random.key(0), (4, 3))
+    cap = es.nn.Capture((4, 3), axis_name="b")
+    _, cap = es.apply(
+        lambda c, x: es.vmap(
+            lambda c, xi: c(xi * 2), in_axes=(None, 0), axis_name="b"
+        )(c, x),
+        cap,
+        x,
+    )
+    np.testing.assert_array_equal(cap.last, x * 2)
+
+
+# ------------------------------------------------------------ scan over layers
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+    act: es.nn.Record
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(6, 6, key=key)
+        self.act = es.nn.Record("mean", "std", "dead_fraction")
+
+    def __call__(self, x):
+        return self.act(jax.nn.relu(jax.vmap(self.linear)(x)))
+
+
+class Stacked(eqx.Module):
+    blocks: Block
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, es.is_array)
+
+        def body(x, arrays):
+            return eqx.combine(arrays, static)(x), x
+
+        x, inputs = jax.lax.scan(body, x, dynamic)
+        return jax.vmap(self.head)(x), inputs
+
+
+class Listed(eqx.Module):
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return jax.vmap(self.head)(x)
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_scan_over_layers_records_each_layer(ref_mode):
+    keys = jax.random.split(jax.random.key(0), 3)
+    head = eqx.nn.Linear(6, 1, key=jax.random.key(2))
+    stacked = Stacked(eqx.filter_vmap(Block)(keys), head)
+    listed = Listed([Block(k) for k in keys], head)
+    x = jax.random.normal(jax.random.key(1), (10, 6))
+    if ref_mode:
+        stacked, listed = es.to_refs(stacked), es.to_refs(listed)
+    (_, inputs), stacked = es.apply(lambda m, x: m(x), stacked, x)
+    _, listed = es.apply(lambda m, x: m(x), listed, x)
+    got, other = es.recorded(stacked), es.recorded(listed)
+    # the same names as a Python list of the same blocks, and the same values
+    assert list(got) == list(other)
+    assert list(got)[:3] == ["blocks.0.act.mean", "blocks.0.act.std",
+                             "blocks.0.act.dead_fraction"]  # fmt: skip
+    for k in got:
+        np.testing.assert_allclose(got[k], other[k], rtol=1e-5, err_msg=k)
+    # against numpy: layer i's activation is relu(linear_i(input_i))
+    for i, key in enumerate(keys):
+        lin = Block(key).linear
+        act = np.asarray(jax.nn.relu(jax.vmap(lin)(inputs[i])), np.float64)
+        np.testing.assert_allclose(got[f"blocks.{i}.act.mean"], act.mean(), rtol=1e-5)
+        np.testing.assert_allclose(got[f"blocks.{i}.act.std"], act.std(), rtol=1e-5)
+        np.testing.assert_allclose(
+            got[f"blocks.{i}.act.dead_fraction"], np.mean(np.all(act <= 0, 0))
+        )
+
+
+def test_an_ensemble_reports_one_entry_per_member():
+    recs = eqx.filter_vmap(lambda _: es.nn.Record("max"))(jnp.arange(2))
+    xs = jnp.array([[1.0, 5.0], [-3.0, 2.0]])
+
+    def call(recs, xs):
+        dynamic, static = eqx.partition(recs, es.is_array)
+        return jax.vmap(lambda d, x: eqx.combine(d, static)(x))(dynamic, xs)
+
+    _, recs = es.apply(call, recs, xs)
+    # the whole tree is stacked: the member's index comes first
+    assert {k: float(v) for k, v in es.recorded({"members": recs}).items()} == {
+        "0.members.max": 5.0,
+        "1.members.max": 2.0,
+    }
+
+
+# --------------------------------------------------------- reading, resetting
+
+
+def test_recorded_is_a_read_that_works_under_jit_and_in_the_loss():
+    model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(0))
+    xs, ys = _data(steps=2)
+
+    def loss(m, x, y):
+        m = es.reset(m, es.RecordState)  # per-step recordings
+        return _loss(m, x, y), es.recorded(m)
+
+    step = es.make_step(loss, optax.sgd(0.0), has_aux=True)
+    opt_state = step.init(model)
+    for x, y in zip(xs, ys):
+        acts = model.forward(x)[1]
+        model, opt_state, aux = step(model, opt_state, x, y)
+        _check(aux, "recs.0", [acts[0]])  # only this step's activations
+    eager = es.recorded(model)
+    jitted = eqx.filter_jit(es.recorded)(model)
+    assert sorted(eager) == sorted(jitted)
+    for k in eager:
+        np.testing.assert_array_equal(eager[k], jitted[k])
+
+
+def test_reset_by_kind():
+    class WithMetric(eqx.Module):
+        rec: es.nn.Record
+        cap: es.nn.Capture
+        loss: es.metrics.Mean
+
+    m = es.to_refs(
+        WithMetric(es.nn.Record("mean", "max"), es.nn.Capture((2,)), es.metrics.Mean())
+    )
+    m.rec(jnp.array([1.0, 3.0]))
+    m.cap(jnp.array([1.0, 3.0]))
+    m.loss.update(jnp.array(7.0))
+    m = es.reset(m)  # metrics only: recordings stay
+    assert float(m.rec.read()["mean"]) == 2.0 and float(m.loss.weight[...]) == 0
+    m = es.reset(m, es.RecordState)
+    assert float(m.rec.read()["mean"]) == 0.0
+    assert float(m.rec.read()["max"]) == -np.inf
+    assert m.cap.last.tolist() == [0.0, 0.0] and int(m.cap.count[...]) == 0
+    m.loss.update(jnp.array(7.0))
+    m = es.reset(m, es.RecordState)  # recordings only: the metric stays
+    assert float(m.loss.compute()) == 7.0
+    # value mode: a new model with fresh cells
+    v = es.freeze(m)
+    v2 = es.reset(v, es.RecordState)
+    assert v2 is not v and float(v2.rec.read()["mean"]) == 0.0
+
+
+def test_merge_equals_one_recorder_over_all_the_data():
+    a_x = jnp.array([[1.0, -2.0, 0.0]])
+    b_x = jnp.array([[5.0, 0.5, -1.0], [2.0, 0.0, 0.0]])
+    a, b, both = (es.to_refs(_record()) for _ in range(3))
+    a(a_x)
+    b(b_x)
+    both(a_x)
+    both(b_x)
+    merged = a.merge(b)
+    assert not isinstance(merged.metrics["mean"].total.value, jax.Ref)  # value mode
+    got, want = es.recorded(merged), es.recorded(both)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+    for name, value in _np_stats([a_x, b_x]).items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="same statistics"):
+        a.merge(es.nn.Record("mean"))
+
+
+# ----------------------------------------------------------- inference mode
+
+
+def test_inference_mode_switches_recording_off_and_on():
+    model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(0))
+    xs, ys = _data(steps=2)
+    step = es.make_step(_loss, optax.sgd(0.1))
+    opt_state = step.init(model)
+    model, opt_state = step(model, opt_state, xs[0], ys[0])
+    before = es.recorded(model)
+    off = es.inference_mode(model, only=es.nn.Recorder)
+    assert all(r.inference for r in off.recs) and off.cap.inference
+    off, opt_state = step(off, opt_state, xs[1], ys[1])
+    after = es.recorded(off)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    # evaluation: an eager value-mode call records nothing and needs no apply
+    ev = eqx.nn.inference_mode(off)
+    np.testing.assert_array_equal(ev(xs[1]), ev.forward(xs[1])[0])
+    # on again: records
+    on = es.inference_mode(off, False, only=es.nn.Recorder)
+    on, opt_state = step(on, opt_state, xs[1], ys[1])
+    assert int(on.cap.count[...]) == 2
+    # part of a model
+    part = es.inference_mode(on, where=lambda m: m.recs[1])
+    assert [r.inference for r in part.recs] == [False, True]
+
+
+def test_eager_value_mode_write_says_what_to_do():
+    rec = es.nn.Record("mean")
+    with pytest.raises(es.StateWriteError, match="inference_mode"):
+        rec(jnp.ones(3))
+    with pytest.raises(es.StateWriteError, match="to_refs"):
+        es.nn.Capture((3,))(jnp.ones(3))
+
+
+# --------------------------------------------------------------- bad input
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="at least one statistic"):
+        es.nn.Record()
+    with pytest.raises(ValueError, match="unknown statistic 'median'.*metric by name"):
+        es.nn.Record("median")
+    with pytest.raises(ValueError, match="given twice"):
+        es.nn.Record("std", std=es.metrics.Mean())
+    with pytest.raises(TypeError, match="must be a metric"):
+        es.nn.Record(hist=np.histogram)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype must be floating"):
+        es.nn.Record("mean", dtype=jnp.int32)
+    with pytest.raises(ValueError, match="non-negative"):
+        es.nn.Capture((-1,))
+
+
+def test_capture_shape_and_dtype_errors():
+    cap = es.to_refs(es.nn.Capture((4, 3)))
+    with pytest.raises(ValueError, match=r"shape=\(4, 3\).*shape \(2, 3\)"):
+        cap(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="cannot hold exactly.*dtype=jnp.float32"):
+        es.to_refs(es.nn.Capture((3,), jnp.bfloat16))(jnp.ones(3, jnp.float32))
+    # a narrower float widens exactly
+    cap(jnp.full((4, 3), 0.1, jnp.bfloat16))
+    np.testing.assert_array_equal(cap.last, np.full((4, 3), 0.1, jnp.bfloat16))
+
+
+def test_dead_fraction_needs_a_batch_axis():
+    rec = es.to_refs(es.nn.Record("dead_fraction"))
+    with pytest.raises(ValueError, match="batch axes must be distinct axes"):
+        rec(jnp.float32(1.0))
+
+
+def test_custom_metric_and_tuple_results():
+    rec = es.to_refs(es.nn.Record(moments=es.metrics.MeanStd(ddof=1)))
+    rec(jnp.array([1.0, 2.0, 4.0]))
+    got = es.recorded(rec)
+    assert list(got) == ["moments.0", "moments.1"]
+    np.testing.assert_allclose(got["moments.1"], np.std([1, 2, 4], ddof=1), rtol=1e-6)
+    # the metric given is copied: the recorder does not consume it
+    m = es.metrics.Mean()
+    r = es.nn.Record(m=m)
+    assert r.metrics["m"].total.value is not m.total.value
+    assert isinstance(r.metrics["m"].total, es.RecordState)
+    assert not isinstance(r.metrics["m"].total, es.MetricState)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    model = es.to_refs(MLP((5, 8, 8, 1), batch=4, key=jax.random.key(0)))
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    model(x)
+    es.save(tmp_path / "m.eqxs", model)
+    like = MLP((5, 8, 8, 1), batch=4, key=jax.random.key(0))
+    loaded = es.load(tmp_path / "m.eqxs", like)
+    want, got = es.recorded(model), es.recorded(loaded)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
