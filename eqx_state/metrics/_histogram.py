@@ -61,7 +61,7 @@ class Histogram(Metric):
     def __init__(
         self,
         bins: int,
-        range: tuple[float, float],
+        range: tuple[float | int, float | int],
         *,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
@@ -118,9 +118,12 @@ class Histogram(Metric):
         x = values.astype(jnp.promote_types(values.dtype, jnp.float32))
         edges = jnp.linspace(low, high, self.bins + 1, dtype=x.dtype)
         inside = (x >= edges[0]) & (x <= edges[-1])
-        # bin i holds edges[i] <= x < edges[i + 1]; x == high goes in the last bin
-        index = jnp.searchsorted(edges, x, side="right") - 1
-        index = jnp.minimum(index, self.bins - 1)
+        # bin i holds edges[i] <= x < edges[i + 1], x == high the last bin: the bin
+        # is the number of inner edges <= x (compared elementwise, no gather, so
+        # a batch sharded across devices stays sharded)
+        index = jnp.zeros(x.shape, jnp.int32)
+        for k in range(1, self.bins):
+            index = index + (x >= edges[k]).astype(jnp.int32)
         index = jnp.where(inside, index, self.bins).reshape(-1)  # out of range: drop
         zero = jnp.zeros_like(w)
         counts = jnp.zeros((self.bins,), dtype)

@@ -15,6 +15,7 @@ from jaxtyping import Array
 from .._buffer import RecordState, _is_ref, is_state
 from .._errors import StateWriteError
 from .._modes import freeze
+from .._vmap import mapped_axes
 from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
 from ..metrics._extrema import Max, Min
 from ..metrics._mean import Mean
@@ -247,8 +248,9 @@ class Record(Recorder):
         `make_step(..., mesh=...)`, which already sees the global batch.
     - `batch_axis`: for `"dead_fraction"`, the axes of one call's value that
         index examples (an int or a tuple; e.g. `(0, 2, 3)` for a channel of an
-        `[N, C, H, W]` feature map to count as one unit). Default: `0`, or none
-        with `axis_name` (the examples are then the members of that axis).
+        `[N, C, H, W]` feature map to count as one unit). Default: `0`; none
+        inside [`eqx_state.vmap`][] over `axis_name` (per-example code: the
+        examples are the members of that axis).
     - `dtype`: the dtype of the statistics (default float32).
     - `inference`: start switched off (see [`eqx_state.nn.Recorder`][]).
     - `**metrics`: more statistics, as metrics by name.
@@ -370,7 +372,10 @@ class Record(Recorder):
         """One flag per unit: `x <= 0` for every (unmasked) example."""
         axes = self.batch_axis
         if axes is None:
-            axes = () if self.axis_name is not None else (0,)
+            # per-example code mapped with `es.vmap` over `axis_name` has no batch
+            # axis; elsewhere (a whole batch, a device's shard of it) it is axis 0
+            per_example = self.axis_name is not None and self.axis_name in mapped_axes()
+            axes = () if per_example else (0,)
         axes = tuple(a % x.ndim if x.ndim else a for a in axes)
         if any(not 0 <= a < x.ndim for a in axes) or len(set(axes)) != len(axes):
             raise ValueError(
