@@ -193,6 +193,9 @@ class Record(Recorder):
     and that layer:
 
     ```python
+    import equinox as eqx, jax
+    import eqx_state as es
+
     class Block(eqx.Module):
         linear: eqx.nn.Linear
         act: es.nn.Record
