@@ -139,9 +139,7 @@ def test_apply_and_capture_equal_the_uncaptured_forward(ref_mode):
     call = es.make_apply(lambda m, x: m(x))
     outs, seen = [], []
     for x in xs:
-        want_out, acts = eqx.filter_jit(lambda m, x: m.forward(x))(
-            es.freeze(model), x
-        )
+        want_out, acts = eqx.filter_jit(lambda m, x: m.forward(x))(es.freeze(model), x)
         out, model = call(model, x)
         # recording does not change what the model computes
         np.testing.assert_array_equal(out, want_out)
@@ -166,9 +164,7 @@ def test_eager_ref_mode_records_in_place():
 def test_streaming_statistics_over_many_calls_and_large_offsets():
     # Chan et al.'s merge: std of values with a large common offset stays accurate
     key = jax.random.key(0)
-    chunks = [
-        1e3 + jax.random.normal(k, (64, 8)) for k in jax.random.split(key, 5)
-    ]
+    chunks = [1e3 + jax.random.normal(k, (64, 8)) for k in jax.random.split(key, 5)]
     rec = es.to_refs(es.nn.Record("mean", "std"))
     for c in chunks:
         rec(c)
@@ -271,9 +267,9 @@ def test_capture_with_axis_name_gathers_the_examples():
     x = jax.random.normal(jax.random.key(0), (4, 3))
     cap = es.nn.Capture((4, 3), axis_name="b")
     _, cap = es.apply(
-        lambda c, x: es.vmap(
-            lambda c, xi: c(xi * 2), in_axes=(None, 0), axis_name="b"
-        )(c, x),
+        lambda c, x: es.vmap(lambda c, xi: c(xi * 2), in_axes=(None, 0), axis_name="b")(
+            c, x
+        ),
         cap,
         x,
     )
@@ -529,3 +525,71 @@ def test_checkpoint_round_trip(tmp_path):
     want, got = es.recorded(model), es.recorded(loaded)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_dead_fraction_ignores_empty_and_masked_out_batches():
+    rec = es.to_refs(es.nn.Record("dead_fraction", "mean"))
+    x = jnp.array([[1.0, -1.0, 0.0, 2.0]])
+    rec(x)  # units 1 and 2 dead: 0.5
+    rec(jnp.zeros((0, 4)))  # no example: counts for nothing (not "all dead")
+    rec(-jnp.ones((2, 4)), mask=jnp.array([False, False]))  # all masked out
+    got = es.recorded(rec)
+    assert float(got["dead_fraction"]) == 0.5
+    assert float(got["mean"]) == 0.5
+    # a partly masked batch: only the unmasked examples decide
+    rec2 = es.to_refs(es.nn.Record("dead_fraction"))
+    rec2(jnp.array([[-1.0, 3.0], [5.0, -2.0]]), mask=jnp.array([True, False]))
+    assert float(es.recorded(rec2)["dead_fraction"]) == 0.5
+
+
+def test_remat_records_once_per_call():
+    # jax.checkpoint under grad re-runs the forward; the recording lands once
+    class Remat(eqx.Module):
+        lin: eqx.nn.Linear
+        rec: es.nn.Record
+
+        def __call__(self, x):
+            arrays, static = eqx.partition(self, es.is_array)
+
+            def f(arrays, x):
+                m = eqx.combine(arrays, static)
+                return m.rec(jax.nn.relu(jax.vmap(m.lin)(x)))
+
+            return jax.checkpoint(f)(arrays, x)
+
+    model = Remat(eqx.nn.Linear(3, 4, key=jax.random.key(0)), es.nn.Record("mean"))
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    want = np.asarray(jax.nn.relu(jax.vmap(model.lin)(x)), np.float64).mean()
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.0))
+    model, _ = step(model, step.init(model), x)
+    assert float(model.rec.metrics["mean"].weight[...]) == 5 * 4  # one call
+    np.testing.assert_allclose(es.recorded(model)["rec.mean"], want, rtol=1e-6)
+
+
+def test_identically_built_models_share_one_compilation():
+    step = es.make_step(_loss, optax.sgd(0.1))
+    xs, ys = _data(steps=1)
+    for seed in range(2):
+        model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(seed))
+        step(model, step.init(model), xs[0], ys[0])
+    assert step.trace_count == 1
+
+
+def test_deepcopy_is_independent():
+    import copy
+
+    rec = es.to_refs(es.nn.Record("max"))
+    rec(jnp.array([1.0]))
+    other = copy.deepcopy(rec)
+    other(jnp.array([5.0]))
+    assert float(rec.read()["max"]) == 1.0 and float(other.read()["max"]) == 5.0
+
+
+def test_filter_jit_apply_equals_make_apply():
+    xs, _ = _data(steps=1)
+    model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(0))
+    _, a = eqx.filter_jit(lambda m, x: es.apply(lambda m, x: m(x), m, x))(model, xs[0])
+    _, b = es.make_apply(lambda m, x: m(x), donate=False)(model, xs[0])
+    ra, rb = es.recorded(a), es.recorded(b)
+    for k in ra:
+        np.testing.assert_array_equal(ra[k], rb[k])

@@ -365,14 +365,17 @@ class Record(Recorder):
                 else:
                     metric.update(v, mask=m)
             elif name == "dead_fraction":
-                metric.update(self._dead(v, m))
+                dead, seen = self._dead(v, m)
+                metric.update(dead, mask=seen)
             else:
                 values = _BUILTINS[name].transform(v, self)
                 metric.update(values, mask=m)
         return x
 
-    def _dead(self, x: Array, mask: Array | None) -> Array:
-        """One flag per unit: `x <= 0` for every (unmasked) example."""
+    def _dead(self, x: Array, mask: Array | None) -> tuple[Array, Array]:
+        """Per unit: whether it is `<= 0` for every (unmasked) example, and whether
+        it saw any example at all (a unit of an empty or fully masked batch is
+        neither dead nor alive: it is not counted)."""
         axes = self.batch_axis
         if axes is None:
             # per-example code mapped with `es.vmap` over `axis_name` has no batch
@@ -388,14 +391,15 @@ class Record(Recorder):
                 "value needs its batch axis (record the batch, `[batch, features]`); "
                 "per-example code mapped with `es.vmap` takes `axis_name=` instead."
             )
-        off = x <= 0
+        keep = jnp.ones(x.shape, bool)
         if mask is not None:
-            keep = _fit("mask", _truthy(mask), x.shape)
-            off = off | ~keep
-        dead = jnp.all(off, axis=axes)
+            keep = jnp.broadcast_to(_fit("mask", _truthy(mask), x.shape), x.shape)
+        dead = jnp.all((x <= 0) | ~keep, axis=axes)  # NaN is not <= 0: not dead
+        seen = jnp.any(keep, axis=axes)
         if self.axis_name is not None:
             dead = jax.lax.pmin(dead.astype(jnp.int32), self.axis_name) > 0
-        return dead.astype(self.dtype)
+            seen = jax.lax.pmax(seen.astype(jnp.int32), self.axis_name) > 0
+        return dead.astype(self.dtype), seen
 
     def read(self) -> dict[str, Array]:
         """Every statistic's current value, by name (a read; `{"std": ...}`).
