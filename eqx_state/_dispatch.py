@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
-from ._compat import Tracer, equinox_runtime_error, with_weak_type
+from ._compat import Tracer, equinox_runtime_error, like_type
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
 
@@ -211,14 +211,7 @@ def _named(fn: Callable, name: str) -> Callable:
     return named
 
 
-def _match_type(out: Any, like: Any) -> Any:
-    """`out` with the weak type of `like`, its input, when their dtypes agree."""
-    if not isinstance(like, (jax.Array, np.ndarray, np.generic)):
-        return out
-    o, i = jax.typeof(out), jax.typeof(like)
-    if o.dtype == i.dtype and o.weak_type != i.weak_type:
-        return with_weak_type(out, i.dtype, i.weak_type)
-    return out
+_match_type = like_type
 
 
 class Compiled:
@@ -253,6 +246,7 @@ class Compiled:
         self.mesh: Any = None
         self.trace_count = 0
         self._warned = False
+        self.warn_recompile = True
         self._arg_types: dict[int, tuple] = {}
         self._layouts: dict[Any, Any] = {}
         self._by_kinds: dict[Any, _Layout] = {}
@@ -263,7 +257,7 @@ class Compiled:
         types = tuple((tuple(x.shape), str(x.dtype)) for x in argdyn)
         before = self._arg_types.get(id(plan))  # plans live as long as this object
         self._arg_types[id(plan)] = types
-        if before is None or before == types or self._warned:
+        if before is None or before == types or self._warned or not self.warn_recompile:
             return
         self._warned = True
         changed = [f"{a} -> {b}" for a, b in zip(before, types) if a != b]
