@@ -43,6 +43,7 @@ from ._state_dict import (
 )
 from ._step import (
     Apply as Apply,
+    OwnedLoop as OwnedLoop,
     Step as Step,
     apply as apply,
     make_apply as make_apply,

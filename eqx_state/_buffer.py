@@ -99,6 +99,11 @@ class Buffer(eqx.Module):
     # says that a layer sees a ref its transformation did not slice (see `_check`).
     witness: Any = eqx.field(default=None, kw_only=True, repr=False)
 
+    # A cell has no methods to bind (Equinox's `__getattribute__` turns bound methods
+    # into pytrees); plain attribute access makes flattening a model, which every
+    # step does once per cell, measurably cheaper.
+    __getattribute__ = object.__getattribute__
+
     @property
     def shape(self) -> tuple[int, ...]:
         if _is_ref(self.value):

@@ -56,6 +56,18 @@ def with_weak_type(x: Any, dtype: Any, weak_type: bool) -> Any:
     return _convert_element_type(x, dtype, weak_type=weak_type)
 
 
+def like_type(out: Any, like: Any) -> Any:
+    """`out` with the weak type of `like` (its input) when their dtypes agree: a
+    weakly typed input that an optimizer returns strongly typed keeps its type, so
+    the next call (or scan iteration) sees the same types."""
+    if not isinstance(like, (jax.Array, np.ndarray, np.generic)):
+        return out
+    o, i = jax.typeof(out), jax.typeof(like)
+    if o.dtype == i.dtype and o.weak_type != i.weak_type:
+        return with_weak_type(out, i.dtype, i.weak_type)
+    return out
+
+
 # -- consumed refs -----------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
-from ._compat import Tracer, equinox_runtime_error, with_weak_type
+from ._compat import Tracer, equinox_runtime_error, like_type
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
 
@@ -197,6 +197,8 @@ class _Plan:
             else:
                 static_out.append((i, o))
         result_dyn, result_static = eqx.partition(result, eqx.is_array)
+        if not jax.tree_util.tree_leaves(result_static):
+            result_static = None  # all arrays (the usual loss and aux): no combine
         spec = _OutSpec(tuple(ret_pos), tuple(static_out), result_static)
         return (ret, result_dyn), _Static(spec)
 
@@ -211,14 +213,7 @@ def _named(fn: Callable, name: str) -> Callable:
     return named
 
 
-def _match_type(out: Any, like: Any) -> Any:
-    """`out` with the weak type of `like`, its input, when their dtypes agree."""
-    if not isinstance(like, (jax.Array, np.ndarray, np.generic)):
-        return out
-    o, i = jax.typeof(out), jax.typeof(like)
-    if o.dtype == i.dtype and o.weak_type != i.weak_type:
-        return with_weak_type(out, i.dtype, i.weak_type)
-    return out
+_match_type = like_type
 
 
 class Compiled:
@@ -253,6 +248,7 @@ class Compiled:
         self.mesh: Any = None
         self.trace_count = 0
         self._warned = False
+        self.warn_recompile = True
         self._arg_types: dict[int, tuple] = {}
         self._layouts: dict[Any, Any] = {}
         self._by_kinds: dict[Any, _Layout] = {}
@@ -263,7 +259,7 @@ class Compiled:
         types = tuple((tuple(x.shape), str(x.dtype)) for x in argdyn)
         before = self._arg_types.get(id(plan))  # plans live as long as this object
         self._arg_types[id(plan)] = types
-        if before is None or before == types or self._warned:
+        if before is None or before == types or self._warned or not self.warn_recompile:
             return
         self._warned = True
         changed = [f"{a} -> {b}" for a, b in zip(before, types) if a != b]
@@ -315,14 +311,13 @@ class Compiled:
         layout = self._layout(leaves, treedef, carry)
         dyn = layout.get_dyn(leaves)
         refs = layout.get_refs(leaves)
-        statics = tuple(layout.get_static(leaves))
+        statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
         # Aliasing, for donation only (the same buffer cannot be donated twice):
         # results never depend on it.
-        ids = list(map(id, dyn))
         alias = None
-        if len(set(ids)) != len(ids):
+        if len(set(map(id, dyn))) != len(dyn):
             first: dict[int, int] = {}
-            alias = tuple(first.setdefault(x, k) for k, x in enumerate(ids))
+            alias = tuple(first.setdefault(id(x), k) for k, x in enumerate(dyn))
         if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
             check_no_shared_refs((carry, args, kwargs))
         mesh = self.mesh
@@ -355,11 +350,88 @@ class Compiled:
             out[i] = x
         for i, v in spec.static_out:
             out[i] = v
-        new_carry = jax.tree_util.tree_unflatten(layout.carry_treedef, out)
+        new_carry = layout.carry_treedef.unflatten(out)
+        if spec.result_static is None:
+            return new_carry, result_dyn
         return new_carry, eqx.combine(result_dyn, spec.result_static)
 
 
 _AMBIGUOUS = object()
+
+
+class Owned:
+    """A carry handed over to a `Compiled` for a run of calls: it is flattened once,
+    kept as flat arrays between calls, and rebuilt only on `release()`. Each call
+    still reads its arguments; the carry is read once, when it is handed over, so
+    it must not be changed meanwhile (its donated arrays are consumed by the first
+    call, so a stale use of it raises)."""
+
+    def __init__(self, compiled: Compiled, carry: tuple):
+        self._compiled = compiled
+        self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
+        self._carry = carry  # until the first call: what a layout is built from
+        self._cache: tuple[Any, Any, Any] | None = None
+        self._released = False
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        if self._released:
+            raise StepError(
+                "This loop was released: it no longer holds the model. Call "
+                "`step.own(model, opt_state)` again with what `release()` returned."
+            )
+        c = self._compiled
+        arg_leaves, args_td = jax.tree_util.tree_flatten((args, kwargs))
+        leaves = [*self._leaves, *arg_leaves]
+        types = tuple(map(type, leaves))
+        cached = self._cache
+        if cached is not None and cached[0] == (args_td, types):
+            layout, plan = cached[1], cached[2]
+            statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
+            if statics != plan.statics:
+                plan = None
+        else:
+            plan = None
+        if plan is None:
+            carry = jax.tree_util.tree_unflatten(self._treedef, self._leaves)
+            treedef = jax.tree_util.tree_structure((carry, args, kwargs))
+            layout = c._layout(leaves, treedef, carry)
+            statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
+            dyn = layout.get_dyn(leaves)
+            if len(set(map(id, dyn))) != len(dyn):  # aliasing: take the general path
+                new_carry, result = c.call(carry, args, kwargs)
+                self._leaves = jax.tree_util.tree_leaves(new_carry)
+                self._cache = None
+                return result
+            key = (statics, None) if c.mesh is None else (statics, None, _ndims(dyn))
+            plan = layout.plans.get(key)
+            if plan is None:
+                plan = layout.plans[key] = _Plan(c, layout, statics, None, dyn, c.mesh)
+            self._cache = ((args_td, types), layout, plan)
+        dyn = layout.get_dyn(leaves)
+        if plan.placement is not None:
+            dyn = jax.device_put(dyn, plan.placement)
+        refs = layout.get_refs(leaves)
+        try:
+            (ret, result_dyn), spec = plan.fn(
+                plan.get_donated(dyn), plan.get_kept(dyn), plan.get_args(dyn), refs
+            )
+        except Exception as e:
+            _reraise(e, dyn)
+            raise
+        spec = spec.value
+        out = self._leaves
+        for i, x in zip(spec.ret_pos, ret):
+            out[i] = x
+        for i, v in spec.static_out:
+            out[i] = v
+        if spec.result_static is None:
+            return result_dyn
+        return eqx.combine(result_dyn, spec.result_static)
+
+    def release(self) -> tuple:
+        """The carry, rebuilt from the arrays the last call returned."""
+        self._released = True
+        return jax.tree_util.tree_unflatten(self._treedef, self._leaves)
 
 
 def _committed(dyn: list) -> list:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
+from ._compat import like_type
 from ._errors import StepError
 from ._modes import refreeze, thaw, without_witnesses
 
@@ -165,3 +166,63 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
     grads, (values, aux) = jax.lax.scan(body, zeros, slices)
     grads = jax.tree.map(lambda g: g / k, grads)
     return (jnp.mean(values), aux), grads
+
+
+def scan_calls(
+    call: Callable[[tuple, tuple, dict], tuple[tuple, Any]],
+    carry: tuple,
+    args: tuple,
+    kwargs: dict,
+    unroll: int | bool = 1,
+) -> tuple[tuple, Any]:
+    """`K` calls `call(carry, args_i, kwargs_i) -> (carry, out)` in one `lax.scan`,
+    where `args_i` holds slice `i` of every array argument's leading axis (of length
+    `K`) and the other arguments as they are. Returns the last carry and the outputs
+    stacked along a new leading axis.
+
+    The carry's arrays are the scan's carry (updated in place); its refs (ref mode)
+    and Python values are closed over, so ref-mode cells are written in place at
+    every iteration."""
+    arrays, static = eqx.partition(carry, eqx.is_array)
+    batch, static_args = eqx.partition((args, kwargs), eqx.is_array)
+    lengths = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if not lengths or None in lengths or len(lengths) != 1:
+        raise StepError(
+            "`scan` runs one call per slice of its array arguments' leading axis: "
+            "every array argument needs that axis, of one length K (got leading "
+            f"axes {sorted(map(str, lengths)) or 'none: no array argument'}). Pass "
+            "values that are the same for every call as Python values, or repeat "
+            "them K times."
+        )
+    out_static: list[Any] = []
+
+    def body(arrays: Any, piece: Any) -> tuple[Any, Any]:
+        a, k = eqx.combine(piece, static_args)
+        new, out = call(eqx.combine(arrays, static), a, k)
+        new_arrays, new_static = eqx.partition(new, eqx.is_array)
+        if jax.tree.structure(new_arrays) != jax.tree.structure(arrays):
+            raise StepError(
+                "A call inside `scan` changed the structure of the model or the "
+                "optimizer state; `scan` carries them from one call to the next."
+            )
+        for path, (n, o) in _paired(new_arrays, arrays):
+            if jax.typeof(n).dtype != jax.typeof(o).dtype:
+                raise StepError(
+                    f"A call inside `scan` changed the dtype of {path} from "
+                    f"{jax.typeof(o).dtype} to {jax.typeof(n).dtype}; `scan` carries "
+                    "the model and the optimizer state from one call to the next, "
+                    "so each leaf must keep its dtype."
+                )
+        del new_static  # Python values: the carry's own (checked by the structure)
+        out_arrays, static_out = eqx.partition(out, eqx.is_array)
+        out_static.append(static_out)
+        return jax.tree.map(like_type, new_arrays, arrays), out_arrays
+
+    arrays, outs = jax.lax.scan(body, arrays, batch, unroll=unroll)
+    return eqx.combine(arrays, static), eqx.combine(outs, out_static[-1])
+
+
+def _paired(a: Any, b: Any) -> list[tuple[str, tuple[Any, Any]]]:
+    la = jax.tree_util.tree_flatten_with_path(a)[0]
+    lb = jax.tree.leaves(b)
+    return [(jax.tree_util.keystr(p), (x, y)) for (p, x), y in zip(la, lb)]

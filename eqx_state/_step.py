@@ -14,8 +14,8 @@ import numpy as np
 import optax
 
 from ._buffer import is_state
-from ._dispatch import Compiled, all_but_witnesses, cells_only
-from ._pure import apply_call, train_step, trainable_mask
+from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
+from ._pure import apply_call, scan_calls, train_step, trainable_mask
 
 
 class Step:
@@ -39,6 +39,7 @@ class Step:
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
         microbatches: int | None = None,
+        scan_unroll: int | bool = 1,
         jit_kwargs: dict[str, Any] | None = None,
     ):
         if microbatches is not None and microbatches < 1:
@@ -72,6 +73,9 @@ class Step:
             model, opt_state, loss, aux = pure(model, opt_state, args, kwargs)
             return (model, opt_state), (loss, aux)
 
+        def scan_fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
+            return scan_calls(fn, carry, args, kwargs, unroll=scan_unroll)
+
         self._compiled = _StepCompiled(
             fn,
             donate=donate,
@@ -79,13 +83,21 @@ class Step:
             jit_kwargs=dict(jit_kwargs or {}),
             name="eqx_state_step",
         )
-        self._compiled.mesh = mesh
-        self._compiled.data_axis = data_axis
+        self._scan = _StepCompiled(
+            scan_fn,
+            donate=donate,
+            donate_policy=all_but_witnesses,
+            jit_kwargs=dict(jit_kwargs or {}),
+            name="eqx_state_step_scan",
+        )
+        for c, batch_axis in ((self._compiled, 0), (self._scan, 1)):
+            c.mesh, c.data_axis, c.batch_axis = mesh, data_axis, batch_axis
+        self._scan.warn_recompile = False  # a new K compiles again, by design
 
     @property
     def trace_count(self) -> int:
-        """How often the step was traced (compiled)."""
-        return self._compiled.trace_count
+        """How often the step (and its `scan`) was traced (compiled)."""
+        return self._compiled.trace_count + self._scan.trace_count
 
     def init(self, model: Any) -> optax.OptState:
         """The optimizer state for `model`'s trainable parameters.
@@ -110,6 +122,97 @@ class Step:
         (model, opt_state), (loss, aux) = self._compiled.call(
             (model, opt_state), args, kwargs
         )
+        return self._outputs(model, opt_state, loss, aux)
+
+    def scan(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
+        """`K` training steps in one compiled call.
+
+        Every array argument has a leading axis of length `K`: step `i` gets slice
+        `i` of each (other arguments are passed to every step as they are). The
+        result is what `K` calls of the step would give — every state write lands
+        once per step, in both modes — in one `jax.jit` call that runs the steps in
+        a `lax.scan`, carrying the model and the optimizer state in place. It
+        compiles once per `K` and donates like a step.
+
+        **Arguments:**
+
+        - `model`, `opt_state`: as for a step.
+        - `*args`, `**kwargs`: the steps' arguments, stacked: `xs[i]` is step `i`'s
+            batch (shape `[K, batch, ...]`).
+
+        **Returns:**
+
+        `(model, opt_state)` after the `K` steps, then the `K` losses (with
+        `return_loss=True`) and the `K` auxiliary outputs stacked (with
+        `has_aux=True`), as a step returns them.
+
+        **Example:**
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, optax
+        import eqx_state as es
+
+        model = eqx.nn.Sequential([es.nn.Batched(eqx.nn.Linear(2, 3, key=jax.random.key(0))),
+                                   es.nn.BatchNorm(3)])
+        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1),
+                            return_loss=True)
+        opt_state = step.init(model)
+        xs = jax.random.normal(jax.random.key(1), (10, 8, 2))  # 10 steps of 8 examples
+        model, opt_state, losses = step.scan(model, opt_state, xs)
+        assert losses.shape == (10,)
+        assert int(model[1].num_batches_tracked[...]) == 10
+        ```
+        """
+        (model, opt_state), (loss, aux) = self._scan.call(
+            (model, opt_state), args, kwargs
+        )
+        return self._outputs(model, opt_state, loss, aux)
+
+    def own(self, model: Any, opt_state: Any) -> OwnedLoop:
+        """Hand the model and the optimizer state over to a training loop that keeps
+        them as flat arrays between steps: the fastest way to call this step one
+        batch at a time (no flattening or rebuilding of the model per step).
+
+        `loop = step.own(model, opt_state)` takes them over; `loop(*args)` runs one
+        step on them (it returns what the step returns after `(model, opt_state)`:
+        the loss with `return_loss=True`, `aux` with `has_aux=True`, both as a pair,
+        or `None`); `model, opt_state = loop.release()` hands them back. The step is
+        the same compiled program as `step(...)`, with the same results.
+
+        While the loop owns them, the model and the optimizer state given to `own`
+        must not be used or changed (their arrays are donated by the first step, so
+        using them raises `StaleModelError`; a change to them in place, e.g. an
+        optimizer hyperparameter, would not be seen). To change either, `release()`,
+        change, and `own` again.
+
+        **Example:**
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, optax
+        import eqx_state as es
+
+        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1),
+                            return_loss=True)
+        bn = es.nn.BatchNorm(3)
+        loop = step.own(bn, step.init(bn))
+        for x in jax.random.normal(jax.random.key(0), (5, 8, 3)):
+            loss = loop(x)
+        bn, opt_state = loop.release()
+        assert int(bn.num_batches_tracked[...]) == 5
+        ```
+        """
+        return OwnedLoop(self, Owned(self._compiled, (model, opt_state)))
+
+    def _extras(self, loss: Any, aux: Any) -> Any:
+        if self.return_loss and self.has_aux:
+            return loss, aux
+        if self.return_loss:
+            return loss
+        if self.has_aux:
+            return aux
+        return None
+
+    def _outputs(self, model: Any, opt_state: Any, loss: Any, aux: Any) -> Any:
         out: tuple = (model, opt_state)
         if self.return_loss:
             out += (loss,)
@@ -118,17 +221,40 @@ class Step:
         return out
 
 
+class OwnedLoop:
+    """A training loop that owns a model and its optimizer state; made by
+    [`eqx_state.Step.own`][]."""
+
+    def __init__(self, step: Step, owned: Owned):
+        self._step = step
+        self._owned = owned
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """One training step on the owned model; returns the step's extras."""
+        loss, aux = self._owned.call(args, kwargs)
+        return self._step._extras(loss, aux)
+
+    def release(self) -> tuple[Any, Any]:
+        """`(model, opt_state)` after the last step; the loop is then done."""
+        model, opt_state = self._owned.release()
+        return model, opt_state
+
+
 class _StepCompiled(Compiled):
     data_axis: str = "data"
+    batch_axis: int = 0  # 1 for `Step.scan`: its arguments are `[K, batch, ...]`
 
     def mesh_shardings(self, dyn: list, arg_ks: tuple[int, ...]) -> dict[str, Any]:
         from jax.sharding import NamedSharding, PartitionSpec
 
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        batch = NamedSharding(self.mesh, PartitionSpec(self.data_axis))
+        spec = (None,) * self.batch_axis + (self.data_axis,)
+        batch = NamedSharding(self.mesh, PartitionSpec(*spec))
         # The model and the optimizer state are replicated, every array argument is
-        # sharded on its leading (batch) axis; the outputs stay replicated.
-        args = [batch if np.ndim(dyn[k]) else replicated for k in arg_ks]
+        # sharded on its batch axis; the outputs stay replicated.
+        args = [
+            batch if np.ndim(dyn[k]) > self.batch_axis else replicated for k in arg_ks
+        ]
         return {
             "in_shardings": (replicated, replicated, args, None),
             "out_shardings": replicated,
@@ -148,12 +274,22 @@ class Apply:
     `apply_fn.trace_count` counts how often it was traced (compiled).
     """
 
-    def __init__(self, fn: Callable[..., Any], *, donate: bool, jit_kwargs: dict):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        donate: bool,
+        jit_kwargs: dict,
+        scan_unroll: int | bool = 1,
+    ):
         self.fn = fn
 
         def pure(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
             out, model = apply_call(fn, carry[0], args, kwargs)
             return (model,), out
+
+        def scan_fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
+            return scan_calls(pure, carry, args, kwargs, unroll=scan_unroll)
 
         # Only the state cells are replaced, so only they are donated; parameters
         # come back as the caller's own arrays.
@@ -164,11 +300,19 @@ class Apply:
             jit_kwargs=jit_kwargs,
             name="eqx_state_apply",
         )
+        self._scan = Compiled(
+            scan_fn,
+            donate=donate,
+            donate_policy=cells_only,
+            jit_kwargs=jit_kwargs,
+            name="eqx_state_apply_scan",
+        )
+        self._scan.warn_recompile = False
 
     @property
     def trace_count(self) -> int:
-        """How often the call was traced (compiled)."""
-        return self._compiled.trace_count
+        """How often the call (and its `scan`) was traced (compiled)."""
+        return self._compiled.trace_count + self._scan.trace_count
 
     def lower(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         """The compiled program that `apply_fn(model, *args, **kwargs)` runs, as a
@@ -177,6 +321,30 @@ class Apply:
 
     def __call__(self, model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         (model,), out = self._compiled.call((model,), args, kwargs)
+        return out, model
+
+    def scan(self, model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """`K` calls in one compiled call (an evaluation loop over `K` batches):
+        every array argument has a leading axis of length `K`, call `i` gets slice
+        `i`. State writes (metrics, BatchNorm statistics) land once per call.
+
+        **Returns:**
+
+        `(outs, model)`: the `K` outputs stacked, and the model after the `K` calls.
+
+        **Example:**
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_state as es
+
+        evaluate = es.make_apply(lambda m, x: m.update(x))
+        mean = es.metrics.Mean()
+        _, mean = evaluate.scan(mean, jnp.arange(12.0).reshape(4, 3))  # 4 batches
+        assert float(mean.compute()) == 5.5
+        ```
+        """
+        (model,), out = self._scan.call((model,), args, kwargs)
         return out, model
 
 
@@ -191,6 +359,7 @@ def make_step(
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str = "data",
     microbatches: int | None = None,
+    scan_unroll: int | bool = 1,
     **jit_kwargs: Any,
 ) -> Step:
     """Build one jit-compiled training step.
@@ -242,6 +411,11 @@ def make_step(
         per-slice batch statistics, updated `microbatches` times, as in PyTorch's
         gradient accumulation, and an `EMA.update` in the loss advances once per
         slice. With `has_aux=True`, `aux` is stacked per slice.
+    - `scan_unroll`: `lax.scan`'s `unroll` for [`eqx_state.Step.scan`][] (how many
+        steps each iteration of the compiled loop runs; `True`: all of them). On
+        CPU, XLA runs convolutions inside a loop several times slower than outside
+        one (measured: a small CNN 17x slower per step); unrolling avoids the loop,
+        at a compile time that grows with `K`. Dense models are fastest rolled.
     - `**jit_kwargs`: passed to `jax.jit`.
 
     **Returns:**
@@ -283,6 +457,7 @@ def make_step(
         mesh=mesh,
         data_axis=data_axis,
         microbatches=microbatches,
+        scan_unroll=scan_unroll,
         jit_kwargs=jit_kwargs,
     )
 
@@ -325,7 +500,11 @@ def apply(
 
 
 def make_apply(
-    fn: Callable[..., Any], *, donate: bool = True, **jit_kwargs: Any
+    fn: Callable[..., Any],
+    *,
+    donate: bool = True,
+    scan_unroll: int | bool = 1,
+    **jit_kwargs: Any,
 ) -> Apply:
     """Build a jit-compiled [`eqx_state.apply`][]: `out, model = apply_fn(model,
     *args)` runs `fn(model, *args)`, letting it write state, in one compiled call.
@@ -340,6 +519,8 @@ def make_apply(
     - `fn`: `fn(model, *args, **kwargs)`, any function of the model.
     - `donate`: donate the state cells the call replaces; the model passed in is then
         consumed (its parameters stay valid). `donate=False` keeps it valid.
+    - `scan_unroll`: `lax.scan`'s `unroll` for [`eqx_state.Apply.scan`][] (see
+        [`eqx_state.make_step`][]).
     - `**jit_kwargs`: passed to `jax.jit`.
 
     **Returns:**
@@ -358,4 +539,4 @@ def make_apply(
     assert int(n) == 3
     ```
     """
-    return Apply(fn, donate=donate, jit_kwargs=jit_kwargs)
+    return Apply(fn, donate=donate, jit_kwargs=jit_kwargs, scan_unroll=scan_unroll)

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._compat import Tracer
+
 
 def _is_multi_steps(x: Any) -> bool:
     return isinstance(x, optax.MultiStepsState)
@@ -76,9 +78,7 @@ def step_count(opt_state: Any) -> jax.Array:
         )
     first_path, first = counts[0]
     for path, other in counts[1:]:
-        if not isinstance(other, jax.core.Tracer) and not isinstance(
-            first, jax.core.Tracer
-        ):
+        if not isinstance(other, Tracer) and not isinstance(first, Tracer):
             if not np.array_equal(np.asarray(other), np.asarray(first)):
                 raise ValueError(
                     f"step_count: the optimizer's counters disagree ({first_path} = "

@@ -1,31 +1,20 @@
-"""Import torchmetrics (the reference for the metrics' options) without torchvision.
+"""Import torchmetrics (the reference for the metrics' options).
 
-torchmetrics imports torchvision's image models when the package is installed; a
-torchvision built for another torch release fails at import time (`operator
-torchvision::nms does not exist`). The metrics compared here need no torchvision,
-so it is hidden from torchmetrics before the import."""
+torchmetrics imports torchvision when it is installed, and the torchvision wheel on
+PyPI (a CUDA build) fails to import beside the CPU torch used here ("operator
+torchvision::nms does not exist"). torchvision is imported first through the shim of
+`examples/port_torchvision_resnet.py` (its models are pure Python), so that
+torchmetrics, and any later test, sees a working torchvision."""
 
-import importlib.metadata
 import sys
 
-
-def _hide_torchvision() -> None:
-    if "torchmetrics" in sys.modules:
-        return
-    import lightning_utilities.core.imports as imports
-
-    version = imports._version
-
-    def _version(name: str) -> str:
-        if name == "torchvision":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return version(name)
-
-    imports._version = _version
-    sys.modules.setdefault("torchvision", None)  # pyright: ignore
+from _scripts import cached_script
 
 
-_hide_torchvision()
+if "torchvision" not in sys.modules:
+    cached_script(
+        "examples", "port_torchvision_resnet", "port_resnet_example"
+    ).import_torchvision()
 
 import torch  # noqa: E402
 import torchmetrics  # noqa: E402

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _scripts import load_script
+from _scripts import ROOT, load_script
 
 
 def load(name):
@@ -150,3 +150,38 @@ def test_ensemble_vmap_tiny(capsys):
         )
         np.testing.assert_allclose(result["member_acc"][j], np.mean(preds == y_te))
     assert "ensemble (mean probabilities) test accuracy" in capsys.readouterr().out
+
+
+def test_train_digits_scan_tiny(capsys):
+    """K steps per call (`step.scan`) trains the headline model exactly as K calls of
+    the step: the example's own check (weights, statistics, EMA, metrics, optimizer
+    state) passes, and it reports the time per step of both loops."""
+    example = load("train_digits_scan")
+    result = example.main(
+        ["--epochs", "2", "--train-size", "192", "--batch-size", "32"]
+        + ["--steps-per-call", "3"]
+    )
+    assert result["steps"] == 6
+    assert result["max_abs_difference"] < 1e-3
+    assert "faster" in capsys.readouterr().out
+
+
+def test_train_digits_scan_is_exact_in_float64(tmp_path):
+    """In float64 the two loops agree to round-off of float64: the float32 difference
+    is XLA's fusion, not a different computation."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_ENABLE_X64="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_digits_scan.py")]
+        + ["--epochs", "2", "--train-size", "128", "--batch-size", "32"]
+        + ["--steps-per-call", "2", "--float64"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "agree to" in proc.stdout

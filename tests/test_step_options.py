@@ -192,3 +192,46 @@ def test_state_errors_name_the_cell_path_and_mode(mode):
         es.StateWriteError, match=rf"`net\.bn\.running_mean` \({mode} mode\)"
     ):
         step(model, step.init(model), xs[0], ys[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_owned_loop_equals_step_calls(mode):
+    """`step.own` keeps the model as flat arrays between steps: the same results as
+    calling the step, the handed-over model is consumed, and a change made after
+    `release()` takes effect when the loop owns the model again."""
+    xs, ys = data(n=6)
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+    def fresh():
+        m = Net(jax.random.key(0))
+        return es.to_refs(m) if mode == "ref" else m
+
+    step = es.make_step(loss_fn, opt, return_loss=True)
+    model = fresh()
+    opt_state = step.init(model)
+    losses = []
+    for i in range(6):
+        if i == 3:
+            opt_state.hyperparams["learning_rate"] = jnp.asarray(0.0, jnp.float32)
+        model, opt_state, loss = step(model, opt_state, xs[i], ys[i])
+        losses.append(float(loss))
+
+    owned_step = es.make_step(loss_fn, opt, return_loss=True)
+    m = fresh()
+    s = owned_step.init(m)
+    loop = owned_step.own(m, s)
+    got = [float(loop(xs[i], ys[i])) for i in range(3)]
+    if mode == "value":
+        with pytest.raises(es.StaleModelError):
+            owned_step(m, s, xs[0], ys[0])  # handed over, and consumed
+    m, s = loop.release()
+    with pytest.raises(es.StepError, match="released"):
+        loop(xs[0], ys[0])
+    s.hyperparams["learning_rate"] = jnp.asarray(0.0, jnp.float32)
+    loop = owned_step.own(m, s)
+    got += [float(loop(xs[i], ys[i])) for i in range(3, 6)]
+    m, s = loop.release()
+    np.testing.assert_allclose(got, losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(es.freeze(m)), jax.tree.leaves(es.freeze(model))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert owned_step.trace_count == 1

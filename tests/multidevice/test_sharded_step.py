@@ -114,3 +114,29 @@ def test_microbatches_on_the_mesh_equal_full_batch(mesh):
         m1, s1 = full(m1, s1, xs[i], ys[i])
         m2, s2 = accum(m2, s2, xs[i], ys[i])
     _assert_close((m1, s1), (m2, s2))
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_scan_on_the_mesh_equals_single_device_steps(mesh, mode):
+    """`step.scan` on a 4-device mesh (each step's batch sharded over the devices)
+    equals the same steps one by one on a single device."""
+    xs, ys = _data()
+    rep = jax.sharding.NamedSharding(mesh, jax.P())
+
+    def fresh(on_mesh):
+        model = Net(jax.random.key(0))
+        if mode == "ref":
+            model = es.to_refs(model, sharding=rep if on_mesh else None)
+        return model
+
+    scan_step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh)
+    model = fresh(True)
+    model, opt_state = scan_step.scan(model, scan_step.init(model), xs, ys)
+    single = es.make_step(loss_fn, optax.adam(1e-2))
+    m = fresh(False)
+    s = single.init(m)
+    dev = jax.devices()[0]
+    for i in range(len(xs)):
+        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
+    _assert_close((model, opt_state), (m, s))
+    assert int(model.steps.value) == len(xs)
