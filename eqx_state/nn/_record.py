@@ -267,8 +267,7 @@ class Record(Recorder):
     rec = es.to_refs(es.nn.Record("mean", "std", "max_abs"))
     rec(jnp.array([1.0, -2.0]))
     rec(jnp.array([3.0, 4.0]))
-    print({k: round(float(v), 4) for k, v in es.recorded(rec).items()})
-    # {'mean': 1.5, 'std': 2.2913, 'max_abs': 4.0}
+    print({k: round(float(v), 4) for k, v in es.recorded(rec).items()})  # {'mean': 1.5, 'std': 2.2913, 'max_abs': 4.0}
     ```
     """
 
