@@ -593,3 +593,66 @@ def test_filter_jit_apply_equals_make_apply():
     ra, rb = es.recorded(a), es.recorded(b)
     for k in ra:
         np.testing.assert_array_equal(ra[k], rb[k])
+
+
+# ------------------------------------------------------------ many steps a call
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_step_scan_records_every_step(ref_mode):
+    """`Step.scan`: K steps in one call record what K calls of the step record;
+    with the per-step pattern (reset + `es.recorded` as aux) each step's entry is
+    that step's statistics."""
+    xs, ys = _data(steps=4)
+
+    def fresh():  # ref-mode models are written in place: one per run
+        model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(0))
+        return es.to_refs(model) if ref_mode else model
+
+    step = es.make_step(_loss, optax.sgd(0.05), donate=False)
+    looped = fresh()
+    opt_state = step.init(looped)
+    seen = []
+    for x, y in zip(xs, ys):
+        seen.append(es.freeze(looped).forward(x)[1][0])
+        looped, opt_state = step(looped, opt_state, x, y)
+    want = es.recorded(looped)
+    base = fresh()
+    scanned, _ = step.scan(base, step.init(base), xs, ys)
+    got = es.recorded(scanned)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    _check(got, "recs.0", seen)
+    np.testing.assert_array_equal(got["cap"], seen[-1])
+
+    def per_step(m, x, y):
+        m = es.reset(m, es.RecordState)
+        return _loss(m, x, y), es.recorded(m)
+
+    aux_step = es.make_step(per_step, optax.sgd(0.05), has_aux=True, donate=False)
+    base = fresh()
+    _, _, recorded = aux_step.scan(base, step.init(base), xs, ys)
+    assert recorded["recs.0.std"].shape == (4,)
+    for i, acts in enumerate(seen):
+        row = {k: v[i] for k, v in recorded.items()}
+        _check(row, "recs.0", [acts])
+
+
+def test_owned_loop_records_like_the_step():
+    xs, ys = _data(steps=3)
+
+    def per_step(m, x, y):
+        m = es.reset(m, es.RecordState)
+        return _loss(m, x, y), es.recorded(m)
+
+    model = MLP((5, 8, 8, 1), batch=16, key=jax.random.key(0))
+    step = es.make_step(per_step, optax.sgd(0.05), has_aux=True)
+    seen = []
+    loop = step.own(model, step.init(model))
+    for x, y in zip(xs, ys):
+        recorded = loop(x, y)
+        seen.append(recorded)
+    model, _ = loop.release()
+    final = es.recorded(model)
+    for k in final:  # the model holds the last step's recordings
+        np.testing.assert_array_equal(final[k], seen[-1][k])

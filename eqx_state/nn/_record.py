@@ -22,47 +22,45 @@ from ..metrics._mean import Mean
 from ..metrics._mean_std import MeanStd
 
 
-class _RecordedStatistic(RecordState):
-    """A recorder's statistic: a [`eqx_state.RecordState`][] cell that keeps the
-    merge rule of the metric statistic it stands for (see `_as_metric`)."""
-
-    merge: Any = eqx.field(static=True, default="sum", kw_only=True)
-
-
-def _rekind(cell: Any, cls: type) -> Any:
-    """`cell` as a cell of type `cls` with the same fields (value, witness, init,
-    merge), without running `__init__` (the value may be a ref or a tracer)."""
+def _rekind(cell: Any, cls: type, **fields: Any) -> Any:
+    """`cell` as a cell of type `cls` with the same value, witness and reset fill
+    (and `fields`), without running `__init__` (the value may be a ref or a
+    tracer)."""
     new = object.__new__(cls)
     for f in dataclasses.fields(cls):
-        object.__setattr__(new, f.name, getattr(cell, f.name))
+        value = fields[f.name] if f.name in fields else getattr(cell, f.name)
+        object.__setattr__(new, f.name, value)
     return new
 
 
-def _as_recorded(metric: Metric) -> Metric:
-    """A metric whose statistics are recorder cells ([`eqx_state.RecordState`][]),
-    so that `es.reset(model)` (metrics) leaves them alone."""
-    return jax.tree.map(
-        lambda c: _rekind(c, _RecordedStatistic) if isinstance(c, Statistic) else c,
-        metric,
-        is_leaf=is_state,
-    )
+Rules = tuple[Any, ...]  # the merge rule of each statistic of a metric, in tree order
 
 
-def _as_metric(metric: Metric, *, read: bool = False) -> Metric:
+def _as_recorded(metric: Metric) -> tuple[Metric, Rules]:
+    """The metric with its statistics as plain [`eqx_state.RecordState`][] cells
+    (so that `es.reset(model)`, which resets metrics, leaves them alone), and the
+    statistics' merge rules, which the recorder keeps as static configuration."""
+    leaves, treedef = jax.tree_util.tree_flatten(metric, is_leaf=is_state)
+    rules = tuple(c.merge for c in leaves if isinstance(c, Statistic))
+    leaves = [
+        _rekind(c, RecordState) if isinstance(c, Statistic) else c for c in leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves), rules
+
+
+def _as_metric(metric: Metric, rules: Rules, *, read: bool = False) -> Metric:
     """The metric again, its recorder cells as metric statistics holding the *same*
     values (refs included), so that the metric's `update` writes the recorder's
     cells. With `read=True`, a value-mode copy (each cell read once)."""
-
-    def one(c: Any) -> Any:
-        if not isinstance(c, _RecordedStatistic):
-            return c
-        stat = _rekind(c, Statistic)
-        if read:
-            object.__setattr__(stat, "value", c[...])
-            object.__setattr__(stat, "witness", None)
-        return stat
-
-    return jax.tree.map(one, metric, is_leaf=is_state)
+    leaves, treedef = jax.tree_util.tree_flatten(metric, is_leaf=is_state)
+    rule = iter(rules)
+    out = []
+    for c in leaves:
+        if is_state(c):
+            extra = {"value": c[...], "witness": None} if read else {}
+            c = _rekind(c, Statistic, merge=next(rule), **extra)
+        out.append(c)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _cells(tree: Any) -> list[Any]:
@@ -279,6 +277,7 @@ class Record(Recorder):
     batch_axis: tuple[int, ...] | None = eqx.field(static=True)
     dtype: Any = eqx.field(static=True, repr=False)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True, repr=False)
+    rules: tuple[Rules, ...] = eqx.field(static=True, repr=False)  # by `names`
 
     def __init__(
         self,
@@ -311,7 +310,10 @@ class Record(Recorder):
             raise ValueError(f"Record: dtype must be floating, got {dtype}.")
         built: dict[str, Metric] = {}
         for s in statistics:
-            built[s] = _BUILTINS[s].metric(axis_name=axis_name, dtype=dtype)
+            # dead units are found over the whole axis in `_dead`: the flags are
+            # then the same on every member, and are counted once
+            axis = None if s == "dead_fraction" else axis_name
+            built[s] = _BUILTINS[s].metric(axis_name=axis, dtype=dtype)
         for name, m in metrics.items():
             if not isinstance(m, Metric):
                 raise TypeError(
@@ -324,7 +326,9 @@ class Record(Recorder):
             )
         if isinstance(batch_axis, int):
             batch_axis = (batch_axis,)
-        self.metrics = {k: _as_recorded(m) for k, m in built.items()}
+        recorded = {k: _as_recorded(built[k]) for k in names}
+        self.metrics = {k: m for k, (m, _) in recorded.items()}
+        self.rules = tuple(r for _, r in recorded.values())
         self.inference = inference
         self.names = names
         self.custom = frozenset(metrics)
@@ -357,7 +361,7 @@ class Record(Recorder):
         v = jax.lax.stop_gradient(jnp.asarray(x))
         m = None if mask is None else jax.lax.stop_gradient(jnp.asarray(mask))
         for name in self.names:
-            metric = _as_metric(self.metrics[name])
+            metric = _as_metric(self.metrics[name], self._rules(name))
             if name in self.custom:
                 if m is None:
                     metric.update(v)
@@ -410,7 +414,7 @@ class Record(Recorder):
         """
         out: dict[str, Array] = {}
         for name in self.names:
-            metric = _as_metric(self.metrics[name], read=True)
+            metric = self._metric(name)
             reader = _first if name in self.custom else _BUILTINS[name].read
 
             def value(m: Metric, reader: Callable = reader) -> Any:
@@ -442,6 +446,13 @@ class Record(Recorder):
                 f"{other._config() if isinstance(other, Record) else type(other).__name__}."
             )
 
+    def _metric(self, name: str) -> Metric:
+        """The statistic `name` as a value-mode metric."""
+        return _as_metric(self.metrics[name], self._rules(name), read=True)
+
+    def _rules(self, name: str) -> Rules:
+        return self.rules[self.names.index(name)]
+
     def _config(self) -> str:
         return f"Record{self.names}(axis_name={self.axis_name!r})"
 
@@ -461,11 +472,7 @@ class Record(Recorder):
         """
         self._check_mergeable(other, "merge")
         new = {
-            k: _as_recorded(
-                _as_metric(self.metrics[k], read=True).merge(
-                    _as_metric(other.metrics[k], read=True)
-                )
-            )
+            k: _as_recorded(self._metric(k).merge(other._metric(k)))[0]
             for k in self.names
         }
         return eqx.tree_at(lambda r: r.metrics, self, new)
@@ -484,8 +491,7 @@ class Record(Recorder):
         A new value-mode recorder, the same on every member of the axis.
         """
         new = {
-            k: _as_recorded(_as_metric(self.metrics[k], read=True).reduce(axis_name))
-            for k in self.names
+            k: _as_recorded(self._metric(k).reduce(axis_name))[0] for k in self.names
         }
         return eqx.tree_at(lambda r: r.metrics, self, new)
 
@@ -555,10 +561,8 @@ class Capture(Recorder):
         if any(s < 0 for s in shape):
             raise ValueError(f"Capture: shape must be non-negative, got {shape}.")
         init = False if jnp.dtype(dtype) == jnp.bool_ else 0
-        self.value = _RecordedStatistic(
-            jnp.zeros(shape, dtype), init=init, merge="custom"
-        )
-        self.count = _RecordedStatistic(jnp.zeros((), jnp.int32), init=0)
+        self.value = RecordState(jnp.zeros(shape, dtype), init=init)
+        self.count = RecordState(jnp.zeros((), jnp.int32), init=0)
         self.inference = inference
         self.shape = shape
         self.axis_name = axis_name
@@ -610,7 +614,7 @@ class Capture(Recorder):
                     f"with the value's dtype, `Capture(shape, dtype=jnp.{v.dtype})`."
                 )
             v = v.astype(dtype)
-        self.value[...] = v
+        self.value[...] = _laid_out_like(v, self.value)
         self.count[...] = self.count[...] + 1
         return x
 
@@ -621,3 +625,23 @@ class Capture(Recorder):
     def _stack_shape(self) -> tuple[int, ...]:
         actual = tuple(self.value.value.shape)
         return actual[: len(actual) - len(self.shape)]
+
+
+def _sharded_spec(x: Any) -> Any:
+    """The `PartitionSpec` of `x`'s type where it is sharded over explicit mesh axes
+    (`None` otherwise: no mesh, automatic sharding, inside `shard_map`)."""
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:  # noqa: BLE001 -- JAX without sharding in types
+        return None
+    return spec if any(s is not None for s in spec) else None
+
+
+def _laid_out_like(v: Array, cell: Any) -> Array:
+    """`v` laid out as the cell is: a batch sharded over an explicit mesh is
+    gathered into a replicated capture (which keeps its sharding, as every cell
+    does: the next step takes it as it was)."""
+    if _sharded_spec(v) is None:
+        return v
+    current = cell[...]
+    return jax.sharding.reshard(v, jax.typeof(current).sharding)

@@ -176,3 +176,25 @@ def test_recording_off_on_the_mesh_is_the_recorder_free_program(mesh):
     cells = [c for c in leaves if es.is_state(c)]
     assert len(through_off) == len(cells) == 18  # the recorders' cells only
     assert "sharding" in p_plain  # the program really is the sharded one
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_capture_of_a_sharded_batch_stays_replicated(mesh, mode):
+    # plain `jax.jit` over a batch sharded in its type (an explicit mesh): the
+    # capture holds the global batch and keeps its (replicated) layout
+    x = jax.random.normal(jax.random.key(0), (BATCH, 8))
+    rep = NamedSharding(mesh, P())
+    cap = jax.tree.map(
+        lambda a: jax.device_put(a, rep) if eqx.is_array(a) else a,
+        es.nn.Capture((BATCH, 8)),
+    )
+    if mode == "ref":
+        cap = es.to_refs(cap)
+        f = eqx.filter_jit(lambda c, x: c(2 * x))
+        f(cap, _sharded(mesh, x))
+    else:
+        f = eqx.filter_jit(lambda c, x: es.apply(lambda c, x: c(2 * x), c, x))
+        _, cap = f(cap, _sharded(mesh, x))
+    value = cap.value[...]
+    np.testing.assert_array_equal(value, 2 * x)
+    assert value.sharding.is_fully_replicated
