@@ -52,8 +52,8 @@ def recorded(model: Any) -> dict[str, Array]:
 
     A read: it writes nothing and works eagerly, under `jit` and in both modes
     (e.g. in the `aux` of a loss function, to return the recordings of a step from
-    inside it). Recorders in inference mode report
-    what they held when they were switched off.
+    inside it). Recorders in inference mode report what they hold (nothing was
+    added while they were off).
 
     **Arguments:**
 
@@ -62,9 +62,10 @@ def recorded(model: Any) -> dict[str, Array]:
     **Returns:**
 
     A `dict` from names to JAX arrays (scalars for the built-in statistics), in the
-    order of the model's tree. Convert for a logger with
-    `{k: float(v) for k, v in es.recorded(model).items()}` (scalars) or
-    `jax.device_get`.
+    order of the model's tree. They are arrays of their own, never a cell's: a
+    later step, which donates the model's cells, leaves them valid. Convert for a
+    logger with `{k: float(v) for k, v in es.recorded(model).items()}` (scalars)
+    or `jax.device_get`.
 
     **Example:**
 

@@ -95,6 +95,21 @@ class Recorder(eqx.Module):
     [`eqx_state.inference_mode`][]) it returns its input and records nothing: no
     operation is added to the traced program, which is then the program of the
     model without recorders (its cells are carried through a step unchanged).
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    import eqx_state as es
+
+    model = eqx.nn.Sequential([
+        es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))),
+        es.nn.Record("max_abs"),
+        es.nn.Dropout(0.5, key=1),
+    ])
+    quiet = es.inference_mode(model, only=es.nn.Recorder)
+    print(quiet.layers[1].inference, quiet.layers[2].inference)  # True False
+    ```
     """
 
     inference: eqx.AbstractVar[bool]
