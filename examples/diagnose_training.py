@@ -26,7 +26,7 @@ The plot (one line per layer) shows where each bad run goes wrong:
   shoot up and stop; the printed diagnosis says so) — either way the recordings
   say when, and in which layer.
 
-The healthy run keeps its dead fractions low and its activation scale steady.
+The healthy run keeps its dead fractions low and its activations of order 1.
 
 Run: `python examples/diagnose_training.py` (about 20 s on 2 CPU cores; writes
 `examples/out/diagnose_training.png`). `--tiny` runs 20 steps of each.
