@@ -42,6 +42,7 @@ def train_step(
         out = loss_fn(eqx.combine(diff, rest, is_leaf=is_state), *args, **kwargs)
         return _loss_and_aux(out, has_aux)
 
+    _check_opt_state(optimizer, opt_state, diff)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     with named_cells(paths):  # errors about a cell name its path
         if microbatches is None:
@@ -85,15 +86,20 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
     """A tree of bools over `model` with cells as leaves: which leaves are trained.
 
     A leaf is trained when it is a parameter ([`eqx_state.params`][]) and
-    `trainable` selects it. `trainable` is `None` (every parameter), or an Equinox
-    filter spec: a callable `leaf -> bool`, or a prefix of the model's tree of bools
-    and callables (as for `eqx.filter`)."""
+    `trainable` selects it. `trainable` is `None` (every parameter), a predicate
+    called on each parameter (`param -> bool`), or an Equinox filter spec: a prefix
+    of the model's tree of bools and callables (as for `eqx.filter`)."""
     # Cells are never trained; compare the filter with the model without the cells'
     # shape witnesses, so that a spec made from either mode fits either mode.
     model = without_witnesses(model)
     nodes, treedef = jax.tree_util.tree_flatten(model, is_leaf=is_state)
     if trainable is None:
         flags = None
+    elif _is_predicate(trainable):
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [not is_state(n) and _is_param(n) and bool(trainable(n)) for n in nodes],
+        )
     else:
         marker = _Unselected()
         spec = without_witnesses(trainable)  # a no-op on a callable
@@ -110,6 +116,24 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
             chosen = True if flags is None else next(flags)
             mask.append(chosen and _is_param(node))
     return jax.tree_util.tree_unflatten(treedef, mask)
+
+
+def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
+    """At trace time: the optimizer state must be the one for these parameters."""
+    want = jax.tree_util.tree_structure(jax.eval_shape(optimizer.init, diff))
+    got = jax.tree_util.tree_structure(opt_state)
+    if want != got:
+        raise StepError(
+            "The optimizer state does not match the parameters this step trains: it "
+            "was made for another model, another optimizer, or another `trainable` "
+            "selection. Make it with this step's `step.init(model)`."
+        )
+
+
+def _is_predicate(x: Any) -> bool:
+    """A plain callable (a function, a lambda), as opposed to a pytree spec (an
+    `eqx.Module` of bools is callable too when the module has `__call__`)."""
+    return callable(x) and not isinstance(x, eqx.Module | list | tuple | dict)
 
 
 def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:

@@ -387,9 +387,9 @@ def make_step(
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`; the step then returns
         `aux` last.
     - `return_loss`: also return the loss (after the optimizer state).
-    - `trainable`: train only part of the model: an Equinox filter spec (a callable
-        `leaf -> bool`, or a pytree prefix of the model of bools and callables, as
-        for `eqx.filter`). The other parameters get no gradient, no optimizer state
+    - `trainable`: train only part of the model: a predicate called on each
+        parameter (`param -> bool`), or an Equinox filter spec (a pytree prefix of
+        the model of bools and callables, as for `eqx.filter`). The other parameters get no gradient, no optimizer state
         and no update (not from weight decay, not from momentum). `step.init` builds
         the optimizer state for the selected parameters only.
     - `donate`: donate the buffers the step replaces (parameters, optimizer state,

@@ -12,7 +12,7 @@ import eqx_state as es
 
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.md"))
+PAGES = sorted(p for p in DOCS.rglob("*.md")) + [DOCS.parent / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
