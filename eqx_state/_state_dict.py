@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import Buffer, is_state
+from ._buffer import Buffer, RecordState, is_state
 from ._errors import StaleModelError
 from ._modes import to_refs
 from .nn._batched import Batched
@@ -264,9 +264,10 @@ _LAYOUTS: dict[type, _Layout] = {
 # `nn.Sequential(...)` (`features.0.weight`, not `features.layers.0.weight`), and a
 # `Batched` wrapper is the layer it maps.
 _TRANSPARENT: dict[type, str] = {eqx.nn.Sequential: "layers", Batched: "layer"}
-# Equinox's own state (`eqx.nn.StateIndex`, e.g. in `eqx.nn.BatchNorm`) lives
-# outside the model: not part of a state dict.
-_SKIPPED: tuple[type, ...] = (eqx.nn.StateIndex,)
+# Not part of a state dict: Equinox's own state (`eqx.nn.StateIndex`, e.g. in
+# `eqx.nn.BatchNorm`, lives outside the model), and recordings (what PyTorch's
+# forward hooks would collect, which no state dict holds).
+_SKIPPED: tuple[type, ...] = (eqx.nn.StateIndex, RecordState)
 
 
 def _layout(x: Any) -> _Layout | None:

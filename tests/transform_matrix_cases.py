@@ -178,6 +178,21 @@ CASES: tuple[Case, ...] = (
     ),
     Case("KVCache", _kv_make, _kv_call, (4, 2, 2), per_example=False),
     Case(
+        "Record",
+        lambda key, axis_name=None: es.nn.Record(
+            "mean", "std", "max_abs", "dead_fraction", axis_name=axis_name
+        ),
+        lambda m, x: m(x),
+        (4, 3),
+    ),
+    Case(
+        "Capture",
+        lambda key, axis_name=None: es.nn.Capture((4, 3), axis_name=axis_name),
+        lambda m, x: m(x),
+        (4, 3),
+        note="per example: `axis_name` gathers the examples",
+    ),
+    Case(
         "CausalSelfAttention",
         _attn_make,
         lambda m, x: m(x),
