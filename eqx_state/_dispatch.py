@@ -134,6 +134,7 @@ class _Plan:
         self.get_args = _getter(self.arg_ks)
         self.statics = statics
         self.owner = owner
+        self.arg_types: tuple | None = None  # of the last trace (see `note_trace`)
         jit_kwargs = dict(owner.jit_kwargs)
         self.placement = None
         if mesh is not None:
@@ -249,7 +250,6 @@ class Compiled:
         self.trace_count = 0
         self._warned = False
         self.warn_recompile = True
-        self._arg_types: dict[int, tuple] = {}
         self._layouts: dict[Any, Any] = {}
         self._by_kinds: dict[Any, _Layout] = {}
 
@@ -257,8 +257,7 @@ class Compiled:
         """At trace time: warn once when a plan is traced again because its array
         arguments changed shape or dtype (a ragged last batch, typically)."""
         types = tuple((tuple(x.shape), str(x.dtype)) for x in argdyn)
-        before = self._arg_types.get(id(plan))  # plans live as long as this object
-        self._arg_types[id(plan)] = types
+        before, plan.arg_types = plan.arg_types, types
         if before is None or before == types or self._warned or not self.warn_recompile:
             return
         self._warned = True

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._buffer import is_array, is_state
+from ._buffer import is_array
 from ._compat import Tracer
 from ._modes import path_str
 from .nn._record import Recorder
@@ -84,18 +84,11 @@ def recorded(model: Any) -> dict[str, Array]:
     ```
     """
     nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_recorder)[0]
-    # A statistic that is a cell's own array (a maximum, a capture) is copied: the
-    # next donating step would otherwise delete what was handed out for logging.
-    cell_arrays = {
-        id(c.value)
-        for c in jax.tree_util.tree_leaves(model, is_leaf=is_state)
-        if is_state(c) and isinstance(c.value, jax.Array)
-    }
 
     def fresh(v: Any) -> Any:
-        if id(v) in cell_arrays and not isinstance(v, Tracer):
-            return jnp.array(v, copy=True)
-        return v
+        # a copy: a statistic may be a cell's own array (a maximum, a capture),
+        # which the next donating step would delete after it was handed out
+        return v if isinstance(v, Tracer) else jnp.array(v, copy=True)
 
     leaves: list[tuple[tuple, Any]] | None = None
     out: dict[str, Array] = {}
