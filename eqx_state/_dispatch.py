@@ -37,7 +37,12 @@ from ._buffer import _is_ref, is_state, stale_message
 from ._compat import Tracer, equinox_runtime_error, like_type
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
-from ._sharding import constrain, ref_placement_message, spans_processes
+from ._sharding import (
+    constrain,
+    explain_sharding_error,
+    ref_placement_message,
+    spans_processes,
+)
 
 
 _DYN, _REF, _STATIC = 0, 1, 2
@@ -416,8 +421,10 @@ class Compiled:
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
             _reraise(e, dyn)
-            if mesh is not None and refs:
-                _check_refs_on_mesh(e, refs, mesh)
+            if mesh is not None:
+                explain_sharding_error(e, mesh)
+                if refs:
+                    _check_refs_on_mesh(e, refs, mesh)
             raise
         spec = spec.value
         out = leaves[: layout.n_carry]
@@ -494,6 +501,8 @@ class Owned:
             )
         except Exception as e:
             _reraise(e, dyn)
+            if c.mesh is not None:
+                explain_sharding_error(e, c.mesh)
             raise
         spec = spec.value
         out = self._leaves
@@ -529,8 +538,10 @@ def _shapes(dyn: list) -> tuple[tuple[int, ...], ...]:
     return tuple(np.shape(x) for x in dyn)
 
 
-def _leaf_path(tree: Any, i: int) -> str:
-    return path_str(jax.tree_util.tree_flatten_with_path(tree)[0][i][0])
+def _leaf_path(carry: tuple, i: int) -> str:
+    """The path of a cell's leaf in the model (the first item of the carry)."""
+    path = path_str(jax.tree_util.tree_flatten_with_path(carry)[0][i][0][1:])
+    return path.removesuffix(".value")
 
 
 def _local_batch_message(x: Any, sharding: Any) -> str:

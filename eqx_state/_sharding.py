@@ -36,7 +36,9 @@ from ._modes import path_str
 
 
 Rule = Callable[[str, jax.ShapeDtypeStruct], PartitionSpec | None]
-Layout = Rule | Sequence[tuple[str, PartitionSpec | None]] | None
+# A `Rule`, a sequence of `(regex, PartitionSpec | None)` pairs, or None. Annotated
+# `Any` so that a malformed layout reaches `layout_rule`, whose error shows the form.
+Layout = Any
 
 
 def _is_arraylike(x: Any) -> bool:
@@ -312,6 +314,24 @@ def constrain(x: Any, sharding: NamedSharding) -> Any:
     x = jax.sharding.reshard(x, NamedSharding(mesh, keep(lambda a: a in explicit)))
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, keep(lambda a: a not in explicit))
+    )
+
+
+def explain_sharding_error(e: Exception, mesh: Any) -> None:
+    """Add a note to JAX's error about an ambiguous sharded operation (a matmul
+    whose contraction is split) under a mesh with Explicit axes."""
+    if type(e).__name__ != "ShardingTypeError" or not getattr(
+        mesh, "explicit_axes", ()
+    ):
+        return
+    names = tuple(mesh.axis_names)
+    e.add_note(
+        f"eqx_state: the step's mesh has Explicit axes {tuple(mesh.explicit_axes)}, "
+        "with which JAX asks the model's code to say how each sharded operation is "
+        "split (`out_sharding=`). A layout that splits parameters (tensor parallel, "
+        "fully sharded) over a model written without that runs on Auto axes, where "
+        "XLA places the communication: `jax.make_mesh(shape, "
+        f"{names}, axis_types=(jax.sharding.AxisType.Auto,) * {len(names)})`."
     )
 
 
