@@ -143,7 +143,10 @@ class _Plan:
         self.statics = statics
         self.owner = owner
         jit_kwargs = dict(owner.jit_kwargs)
-        self.placement = self.out_placement = self.replicated = None
+        # on a mesh (see `_place_on`)
+        self.placement: Any = None
+        self.out_placement: Any = None
+        self.replicated: Any = None
         self.global_ks: tuple[int, ...] = ()
         if mesh is not None:
             self._place_on(mesh, carry, dyn)
@@ -206,7 +209,23 @@ class _Plan:
                 not isinstance(x, jax.Array) or x.is_fully_addressable
             ):
                 raise StepError(_local_batch_message(x, self.placement[k]))
-        return jax.device_put(dyn, self.placement)
+        # `device_put` of an array already in place costs ~8 us, a comparison of
+        # shardings ~0.1 us: move only what is elsewhere
+        placement = self.placement
+        todo = [
+            k
+            for k, (x, want) in enumerate(zip(dyn, placement))
+            if isinstance(x, Tracer)
+            or not isinstance(x, jax.Array)
+            or x.sharding != want
+        ]
+        if not todo:
+            return dyn
+        dyn = list(dyn)
+        moved = jax.device_put([dyn[k] for k in todo], [placement[k] for k in todo])
+        for k, x in zip(todo, moved):
+            dyn[k] = x
+        return dyn
 
     def _impl(self, donated: list, kept: list, argdyn: list, refs: list) -> Any:
         owner, layout = self.owner, self.layout

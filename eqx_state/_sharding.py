@@ -52,7 +52,7 @@ def layout_rule(layout: Layout) -> Rule:
     if layout is None:
         return lambda path, x: None
     if callable(layout):
-        return layout
+        return layout  # pyright: ignore[reportReturnType]
     if isinstance(layout, str | bytes) or not isinstance(layout, Sequence):
         raise TypeError(
             "`layout` must be a function `(path, x) -> PartitionSpec | None` or a "
@@ -403,6 +403,10 @@ def global_batch(
     return jax.tree.map(one, batch)
 
 
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+    return index.start or 0, size if index.stop is None else index.stop
+
+
 def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> slice:
     """The rows of a global batch of `batch_size` that this process feeds to
     [`eqx_state.global_batch`][]: those held by its devices on `mesh` when the batch
@@ -433,7 +437,7 @@ def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> sl
     sharding = NamedSharding(mesh, PartitionSpec(data_axis))
     rows = sorted(
         {
-            (idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+            _bounds(idx[0], batch_size)  # pyright: ignore[reportOptionalSubscript]
             for idx in sharding.addressable_devices_indices_map((batch_size,)).values()
         }
     )
