@@ -311,3 +311,14 @@ def test_layout_errors_name_the_path():
         es.place(lin, mesh, lambda path, x: "model")
     with pytest.raises(ValueError, match="pass the mesh"):
         es.make_step(lambda m, x: 0.0, optax.sgd(0.1), layout=[])
+
+
+@pytest.mark.parametrize("obj", [es.place, es.global_batch, es.Step.place])
+def test_docstring_examples_run(obj):
+    import inspect
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", inspect.getdoc(obj) or "", re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, f"<{obj.__qualname__}>", "exec"), {"__name__": "doc"})

@@ -199,3 +199,23 @@ def test_process_slice_on_one_process(mesh2x2):
         es.process_slice(7, mesh2x2)
     x = es.global_batch(np.ones((8, 6), np.float32), mesh2x2)
     assert x.sharding.spec == P("data") and x.addressable_shards[0].data.shape == (4, 6)
+
+
+def test_scan_with_a_layout_equals_single_device_steps(mesh2x2):
+    """`step.scan` carries a sharded model and optimizer state through its loop and
+    returns them in the layout."""
+    xs, ys = _data(3)
+    step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh2x2, layout=LAYOUT)
+    model = Net(jax.random.key(0))
+    model, opt_state = step.scan(model, step.init(model), xs, ys)
+    assert step.trace_count == 1
+    assert model.l1.weight.sharding.spec == P("model", None)
+    assert opt_state[0].nu.l2.weight.sharding.spec == P(None, "model")
+    single = es.make_step(loss_fn, optax.adam(1e-2))
+    m = Net(jax.random.key(0))
+    s = single.init(m)
+    dev = jax.devices()[0]
+    for i in range(len(xs)):
+        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
+    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
