@@ -50,6 +50,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,21 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "<no log>"
 
 
+def exit_with_launcher() -> None:
+    """In a process started by `launch`: exit as soon as the launcher is gone (killed
+    by a time limit, say), instead of waiting for peers that will never come."""
+    launcher = os.environ.get("EQX_STATE_LAUNCHER_PID")
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def launch(
     commands: list[list[str]],
     *,
@@ -98,6 +114,7 @@ def launch(
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = [log_dir / f"process_{i}.log" for i in range(len(commands))]
+    env = dict(env, EQX_STATE_LAUNCHER_PID=str(os.getpid()))
     procs: list[subprocess.Popen] = []
     try:
         for cmd, log in zip(commands, logs):
@@ -262,6 +279,7 @@ def manager_for(directory: Path):
 
 def worker(a: argparse.Namespace) -> None:
     """One process of the run: the code a cluster runs on every host."""
+    exit_with_launcher()  # started by `--processes`: stop if the launcher dies
     import jax
 
     # CPU collectives between processes (GPUs and TPUs have their own)

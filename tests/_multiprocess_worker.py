@@ -86,6 +86,19 @@ def fsdp_layout(path, x):
     return P("data") if x.ndim == 2 and x.shape[0] % 4 == 0 else None
 
 
+def _launcher():
+    """examples/train_multiprocess.py (its launcher part imports no JAX)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_multiprocess.py"
+    spec = importlib.util.spec_from_file_location("_mp_launcher", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--coordinator", required=True)
@@ -93,6 +106,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    _launcher().exit_with_launcher()  # the test died: stop, do not wait for peers
 
     import jax
 

@@ -322,3 +322,62 @@ def test_docstring_examples_run(obj):
     assert blocks
     for block in blocks:
         exec(compile(block, f"<{obj.__qualname__}>", "exec"), {"__name__": "doc"})
+
+
+def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+    """A launcher killed from outside (a time limit) leaves no worker behind: each
+    worker watches its launcher and exits when it is gone."""
+    import signal
+    import subprocess
+
+    path = ROOT / "examples" / "train_multiprocess.py"
+    load = (
+        "import importlib.util as u; s = u.spec_from_file_location('m', "
+        f"{str(path)!r}); m = u.module_from_spec(s); s.loader.exec_module(m)"
+    )
+    sleeper = (
+        f"{load}; m.exit_with_launcher(); import os, time; "
+        "open('pid', 'w').write(str(os.getpid())); time.sleep(600)"
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"{load}; from pathlib import Path; import os, sys; "
+            f"m.launch([[sys.executable, '-c', {sleeper!r}]], env=dict(os.environ), "
+            "timeout=600, log_dir=Path('logs'))",
+        ],
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.1)
+        pid = int((tmp_path / "pid").read_text())
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the worker outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # pragma: no cover - no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
