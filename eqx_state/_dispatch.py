@@ -420,7 +420,9 @@ class Compiled:
         if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
             check_no_shared_refs((carry, args, kwargs))
         mesh = self.mesh
-        pkey = (statics, alias) if mesh is None else (statics, alias, _shapes(dyn))
+        pkey = (
+            (statics, alias) if mesh is None else (statics, alias, _where(dyn, layout))
+        )
         try:
             plan = layout.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
@@ -503,7 +505,11 @@ class Owned:
                 self._leaves = jax.tree_util.tree_leaves(new_carry)
                 self._cache = None
                 return result
-            key = (statics, None) if c.mesh is None else (statics, None, _shapes(dyn))
+            key = (
+                (statics, None)
+                if c.mesh is None
+                else (statics, None, _where(dyn, layout))
+            )
             plan = layout.plans.get(key)
             if plan is None:
                 plan = layout.plans[key] = _Plan(
@@ -552,9 +558,13 @@ def _committed(dyn: list) -> list:
     ]
 
 
-def _shapes(dyn: list) -> tuple[tuple[int, ...], ...]:
-    # on a mesh, where an array goes may depend on its shape (a layout rule)
-    return tuple(np.shape(x) for x in dyn)
+def _where(dyn: list, layout: _Layout) -> tuple:
+    """What decides where the arrays go on a mesh: the shapes of the carry's (a
+    layout rule may look at them), the number of dimensions of the arguments'."""
+    n = layout.n_carry
+    return tuple(
+        np.shape(x) if i < n else np.ndim(x) for i, x in zip(layout.dyn_idx, dyn)
+    )
 
 
 def _leaf_path(carry: tuple, i: int) -> str:

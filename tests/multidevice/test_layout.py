@@ -219,3 +219,17 @@ def test_scan_with_a_layout_equals_single_device_steps(mesh2x2):
         m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
     for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_batch_size_on_the_mesh_warns_once(mesh2x2):
+    """A ragged batch compiles the mesh step again, with the same warning as on one
+    device."""
+    lin = eqx.nn.Linear(6, 4, key=jax.random.key(0))
+    step = es.make_step(
+        lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), optax.sgd(0.1), mesh=mesh2x2
+    )
+    opt_state = step.init(lin)
+    lin, opt_state = step(lin, opt_state, jnp.ones((8, 6)))
+    with pytest.warns(es.RecompileWarning, match=r"\(8, 6\)"):
+        lin, opt_state = step(lin, opt_state, jnp.ones((4, 6)))
+    assert step.trace_count == 2
