@@ -217,8 +217,8 @@ def _put(path: str, x: Any, sharding: NamedSharding | None) -> Any:
         if not x.sharding.is_equivalent_to(sharding, len(x.shape)):
             raise StateError(ref_placement_message(path, x.sharding, sharding))
         return x
-    if isinstance(x, Tracer):
-        return x
+    if isinstance(x, Tracer) or not isinstance(x, jax.Array):
+        return x  # NumPy leaves stay host values (a step puts them on each call)
     return jax.device_put(x, sharding)
 
 
@@ -235,7 +235,10 @@ def ref_placement_message(path: str, have: Any, want: Any) -> str:
 
 def _placed(tree: Any, shardings: list) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = [_put(path_str(p), x, s) for (p, x), s in zip(flat, shardings)]
+    out = [
+        _put(path_str(p).removesuffix(".value"), x, s)
+        for (p, x), s in zip(flat, shardings)
+    ]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -249,7 +252,7 @@ def place(model: Any, mesh: Mesh, layout: Layout = None) -> Any:
     `eqx.filter_eval_shape`: they get the sharding, nothing is allocated — the
     target of a sharded checkpoint restore). A ref-mode cell cannot be moved: it is
     checked to be where the layout wants it (make ref-mode models with
-    `es.to_refs(es.place(model, mesh, layout))`).
+    `es.to_refs(es.place(model, mesh, layout))`). NumPy leaves are left as they are.
 
     **Arguments:**
 

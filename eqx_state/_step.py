@@ -129,9 +129,9 @@ class Step:
         # the parameters where the step puts them, so that the state built from
         # them (`zeros_like`, copies) is laid out alike from the start
         params = place(params, self.mesh, self.layout)
-        return place_carry(params, self.optimizer.init(params), self.mesh, self.layout)[
-            1
-        ]
+        opt_state = self.optimizer.init(params)
+        _, opt_state = place_carry(params, opt_state, self.mesh, self.layout)
+        return opt_state
 
     def place(self, model: Any, opt_state: Any) -> tuple[Any, Any]:
         """`(model, opt_state)` laid out on the step's mesh as the step takes them
@@ -152,7 +152,11 @@ class Step:
         step = es.make_step(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2),
                             optax.adam(1e-3), mesh=mesh,
                             layout=[(r"weight$", P("data", None))])
-        make = lambda: (lambda m: (m, step.init(m)))(eqx.nn.Linear(2, 4, key=jax.random.key(0)))
+
+        def make():
+            model = eqx.nn.Linear(2, 4, key=jax.random.key(0))
+            return model, step.init(model)
+
         model, opt_state = step.place(*eqx.filter_eval_shape(make))  # abstract
         assert opt_state[0].mu.weight.sharding.spec == P("data", None)
         ```
