@@ -181,6 +181,8 @@ def example_run(tmp_path_factory):
     """`examples/train_multiprocess.py --processes 2 --mode ref`, once."""
     import subprocess
 
+    pytest.importorskip("orbax.checkpoint")  # the `orbax` extra
+
     directory = tmp_path_factory.mktemp("example")
     args = ["--steps", "4", "--resume-at", "2", "--batch", "16"]
     result = subprocess.run(
