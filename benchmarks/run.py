@@ -9,7 +9,8 @@ importing this checkout's `eqx_state`:
   NNX, each peer in its expert forms and in its default usage;
 - `many_cells.py`: the overhead against the number of BatchNorms (1 to 100);
 - `kv_cache.py`: KV-cache decoding, per token and in a scan, with memory;
-- `scaling.py`: the data-parallel step on 1, 2 and 4 CPU devices.
+- `scaling.py`: the data-parallel step on 1, 2 and 4 CPU devices, in one process
+  and in two (JAX's distributed runtime on localhost).
 
 Each writes its own `results_<name>.md` and PNG into `--out`. This script collects
 what their `main()` returned and writes, also into `--out`:
@@ -126,7 +127,7 @@ BENCHES: dict[str, Bench] = {
     "scaling": Bench(
         "Data-parallel scaling",
         (),
-        ("--tiny", "--devices", "1", "2"),
+        ("--tiny", "--devices", "1", "2", "--multi", "2x1"),
         ("scaling.png", "results_scaling.md"),
     ),
 }
@@ -871,13 +872,19 @@ def render_scaling(result: dict[str, Any]) -> list[str]:
 
     lines = [
         "Medium MLP-BN step on a 1-D mesh of CPU devices sharing this machine's cores "
-        "(measures the sharded program's cost, not parallel speed-up): steps/s "
-        "(median, min–max), × pure JAX (median of same-round time ratios [bootstrap "
-        "95% interval]). Details: `results_scaling.md`.",
+        "(measures the sharded program's cost, not parallel speed-up), in one process "
+        "with N devices (`N`) or in P processes with N devices each (`PxN`, JAX's "
+        "distributed runtime on localhost): steps/s (median, min–max), × pure JAX "
+        "(median of same-round time ratios [bootstrap 95% interval]). Details and "
+        "the bytes each step's collectives move: `results_scaling.md`.",
         "",
     ]
     rows = []
-    for n, times in sorted(result.items(), key=lambda kv: int(kv[0])):
+
+    def order(label: str) -> tuple:  # `N` rows first, then `PxN`
+        return (label.count("x"), [int(v) for v in label.split("x")])
+
+    for n, times in sorted(result.items(), key=lambda kv: order(kv[0])):
         base = times["pure_jax"]
         for name, ts in times.items():
             rows.append(

@@ -36,6 +36,11 @@ from ._serialisation import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,
 )
+from ._sharding import (
+    global_batch as global_batch,
+    place as place,
+    process_slice as process_slice,
+)
 from ._state_dict import (
     IncompatibleKeys as IncompatibleKeys,
     load_state_dict as load_state_dict,

@@ -37,6 +37,12 @@ from ._buffer import _is_ref, is_state, stale_message
 from ._compat import Tracer, equinox_runtime_error, like_type
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
+from ._sharding import (
+    constrain,
+    explain_sharding_error,
+    ref_placement_message,
+    spans_processes,
+)
 
 
 _DYN, _REF, _STATIC = 0, 1, 2
@@ -105,7 +111,9 @@ class _Plan:
     """One compiled variant: a layout plus the static values and the aliasing of
     the arrays, and the `jax.jit` function for them."""
 
-    def __init__(self, owner: Compiled, layout: _Layout, statics, alias, dyn, mesh):
+    def __init__(
+        self, owner: Compiled, layout: _Layout, statics, alias, dyn, mesh, carry=None
+    ):
         self.layout = layout
         n = len(layout.dyn_idx)
         self.alias = alias  # for each array: the index of its first occurrence
@@ -136,19 +144,89 @@ class _Plan:
         self.owner = owner
         self.arg_types: tuple | None = None  # of the last trace (see `note_trace`)
         jit_kwargs = dict(owner.jit_kwargs)
-        self.placement = None
+        # on a mesh (see `_place_on`)
+        self.placement: Any = None
+        self.out_placement: Any = None
+        self.replicated: Any = None
+        self.global_ks: tuple[int, ...] = ()
         if mesh is not None:
-            shardings = owner.mesh_shardings(dyn, self.arg_ks)
-            jit_kwargs.update(shardings)
-            rep = shardings["out_shardings"]
-            args = dict(zip(self.arg_ks, shardings["in_shardings"][2]))
-            self.placement = [args.get(k, rep) for k in range(n)]
+            self._place_on(mesh, carry, dyn)
+            pl = self.placement
+            jit_kwargs["in_shardings"] = tuple(
+                [pl[k] for k in ks] for ks in (donated, self.kept_ks, self.arg_ks)
+            ) + (None,)  # refs: where they are (a ref cannot move)
+            # On a mesh the carry comes back as one slot per position (None where
+            # nothing is returned), so that each slot's sharding is known before
+            # tracing: explicit output shardings let JAX pair donated inputs with
+            # their own outputs (XLA, left to choose, may pair one with a ref's).
+            outs = [
+                self.out_placement.get(i, self.replicated)
+                for i in range(layout.n_carry)
+            ]
+            jit_kwargs["out_shardings"] = ((outs, self.replicated), None)
         impl = self._impl
         self.fn = jax.jit(
             _named(impl, owner.name),
             donate_argnums=(0,) if donated else (),
             **jit_kwargs,
         )
+
+    def _place_on(self, mesh: Any, carry: Any, dyn: list) -> None:
+        """Where each array goes on the mesh (`placement`, one per array), what each
+        carry output is constrained to (`out_placement`, by carry position), and
+        which arguments must already be global arrays (several processes)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        layout = self.layout
+        leaves = jax.tree_util.tree_leaves(carry)
+        full = self.owner.mesh_placement(carry)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.placement = [
+            full[i] if i < layout.n_carry else self.owner.arg_placement(x)
+            for i, x in zip(layout.dyn_idx, dyn)
+        ]
+        self.out_placement = {i: s for i, s in enumerate(full) if s is not None}
+        for i in layout.ref_idx:  # a ref cannot move: it must be there already
+            ref, want = leaves[i], full[i]
+            if want is None or isinstance(ref, Tracer):
+                continue
+            if not ref.sharding.is_equivalent_to(want, len(ref.shape)):
+                raise StepError(
+                    ref_placement_message(_leaf_path(carry, i), ref.sharding, want)
+                )
+        if spans_processes(mesh):
+            self.global_ks = tuple(
+                k
+                for k in self.arg_ks
+                if any(e is not None for e in self.placement[k].spec)
+            )
+
+    def put(self, dyn: list) -> list:
+        """The arrays of a call placed where the compiled step takes them (a no-op
+        for the arrays a previous step returned)."""
+        for k in self.global_ks:
+            x = dyn[k]
+            if not isinstance(x, Tracer) and (
+                not isinstance(x, jax.Array) or x.is_fully_addressable
+            ):
+                raise StepError(_local_batch_message(x, self.placement[k]))
+        # `device_put` of an array already in place costs ~8 us, a comparison of
+        # shardings ~0.1 us: move only what is elsewhere
+        placement = self.placement
+        todo = [
+            k
+            for k, (x, want) in enumerate(zip(dyn, placement))
+            if isinstance(x, Tracer)
+            or not isinstance(x, jax.Array)
+            or x.sharding != want
+        ]
+        if not todo:
+            return dyn
+        dyn = list(dyn)
+        moved = jax.device_put([dyn[k] for k in todo], [placement[k] for k in todo])
+        for k, x in zip(todo, moved):
+            dyn[k] = x
+        return dyn
 
     def _impl(self, donated: list, kept: list, argdyn: list, refs: list) -> Any:
         owner, layout = self.owner, self.layout
@@ -181,6 +259,7 @@ class _Plan:
                 "must not replace the model's modules or cells."
             )
         ret, ret_pos, static_out = [], [], []
+        slots: list[Any] = [None] * layout.n_carry  # on a mesh, see `__init__`
         ref_pos = set(layout.ref_idx)
         for i, (o, inp) in enumerate(zip(out_leaves, leaves[: layout.n_carry])):
             if i in ref_pos:
@@ -193,15 +272,32 @@ class _Plan:
             if o is inp and i not in self.donated_pos:
                 continue  # unchanged: the caller's own leaf is the output
             if isinstance(o, jax.Array):
-                ret.append(_match_type(o, inp))
+                o = _match_type(o, inp)
+                if self.out_placement is not None:  # on a mesh: keep the layout
+                    o = slots[i] = constrain(
+                        o, self.out_placement.get(i, self.replicated)
+                    )
+                ret.append(o)
                 ret_pos.append(i)
             else:
                 static_out.append((i, o))
         result_dyn, result_static = eqx.partition(result, eqx.is_array)
+        if self.replicated is not None:  # the loss and aux: replicated on the mesh
+            result_dyn = jax.tree.map(
+                lambda x: constrain(x, self.replicated), result_dyn
+            )
         if not jax.tree_util.tree_leaves(result_static):
             result_static = None  # all arrays (the usual loss and aux): no combine
         spec = _OutSpec(tuple(ret_pos), tuple(static_out), result_static)
+        if self.out_placement is not None:
+            ret = slots
         return (ret, result_dyn), _Static(spec)
+
+    def returned(self, ret: list, spec: _OutSpec) -> list:
+        """The returned carry arrays, in the order of `spec.ret_pos`."""
+        if self.out_placement is None:
+            return ret
+        return [ret[i] for i in spec.ret_pos]
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -273,7 +369,10 @@ class Compiled:
             stacklevel=2,
         )
 
-    def mesh_shardings(self, dyn: list, arg_ks: tuple[int, ...]) -> dict[str, Any]:
+    def mesh_placement(self, carry: tuple) -> list[Any]:
+        raise NotImplementedError  # pragma: no cover - only steps have a mesh
+
+    def arg_placement(self, x: Any) -> Any:
         raise NotImplementedError  # pragma: no cover - only steps have a mesh
 
     def _layout(self, leaves: list, treedef: Any, carry: tuple) -> _Layout:
@@ -320,17 +419,19 @@ class Compiled:
         if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
             check_no_shared_refs((carry, args, kwargs))
         mesh = self.mesh
-        pkey = (statics, alias) if mesh is None else (statics, alias, _ndims(dyn))
+        pkey = (
+            (statics, alias) if mesh is None else (statics, alias, _where(dyn, layout))
+        )
         try:
             plan = layout.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
             raise StepError(_unhashable_message(carry, args, kwargs)) from e
         if plan is None:
-            plan = layout.plans[pkey] = _Plan(self, layout, statics, alias, dyn, mesh)
+            plan = layout.plans[pkey] = _Plan(
+                self, layout, statics, alias, dyn, mesh, carry
+            )
         if plan.placement is not None:
-            # on the mesh: arrays placed as the compiled step takes them (a no-op
-            # for the arrays a previous step returned)
-            dyn = jax.device_put(dyn, plan.placement)
+            dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
         elif refs:
             dyn = _committed(dyn)
         inputs = (plan.get_donated(dyn), plan.get_kept(dyn), plan.get_args(dyn), refs)
@@ -340,12 +441,14 @@ class Compiled:
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
             _reraise(e, dyn)
-            if mesh is not None and refs:
-                _check_refs_on_mesh(e, refs, mesh)
+            if mesh is not None:
+                explain_sharding_error(e, mesh)
+                if refs:
+                    _check_refs_on_mesh(e, refs, mesh)
             raise
         spec = spec.value
         out = leaves[: layout.n_carry]
-        for i, x in zip(spec.ret_pos, ret):
+        for i, x in zip(spec.ret_pos, plan.returned(ret, spec)):
             out[i] = x
         for i, v in spec.static_out:
             out[i] = v
@@ -401,14 +504,20 @@ class Owned:
                 self._leaves = jax.tree_util.tree_leaves(new_carry)
                 self._cache = None
                 return result
-            key = (statics, None) if c.mesh is None else (statics, None, _ndims(dyn))
+            key = (
+                (statics, None)
+                if c.mesh is None
+                else (statics, None, _where(dyn, layout))
+            )
             plan = layout.plans.get(key)
             if plan is None:
-                plan = layout.plans[key] = _Plan(c, layout, statics, None, dyn, c.mesh)
+                plan = layout.plans[key] = _Plan(
+                    c, layout, statics, None, dyn, c.mesh, carry
+                )
             self._cache = ((args_td, types), layout, plan)
         dyn = layout.get_dyn(leaves)
         if plan.placement is not None:
-            dyn = jax.device_put(dyn, plan.placement)
+            dyn = plan.put(dyn)
         refs = layout.get_refs(leaves)
         try:
             (ret, result_dyn), spec = plan.fn(
@@ -416,10 +525,12 @@ class Owned:
             )
         except Exception as e:
             _reraise(e, dyn)
+            if c.mesh is not None:
+                explain_sharding_error(e, c.mesh)
             raise
         spec = spec.value
         out = self._leaves
-        for i, x in zip(spec.ret_pos, ret):
+        for i, x in zip(spec.ret_pos, plan.returned(ret, spec)):
             out[i] = x
         for i, v in spec.static_out:
             out[i] = v
@@ -446,8 +557,35 @@ def _committed(dyn: list) -> list:
     ]
 
 
-def _ndims(dyn: list) -> tuple[int, ...]:
-    return tuple(np.ndim(x) for x in dyn)
+def _where(dyn: list, layout: _Layout) -> tuple:
+    """What decides where the arrays go on a mesh: the shapes of the carry's (a
+    layout rule may look at them), the number of dimensions of the arguments'."""
+    n = layout.n_carry
+    return tuple(
+        np.shape(x) if i < n else np.ndim(x) for i, x in zip(layout.dyn_idx, dyn)
+    )
+
+
+def _leaf_path(carry: tuple, i: int) -> str:
+    """The path of a cell's leaf in the model (the first item of the carry)."""
+    path = path_str(jax.tree_util.tree_flatten_with_path(carry)[0][i][0][1:])
+    return path.removesuffix(".value")
+
+
+def _local_batch_message(x: Any, sharding: Any) -> str:
+    what = (
+        "a process-local jax.Array"
+        if isinstance(x, jax.Array)
+        else f"a {type(x).__name__}"
+    )
+    return (
+        f"The step's mesh spans {jax.process_count()} processes, and an array "
+        f"argument of shape {np.shape(x)} is {what}. In a multi-process step every "
+        "array argument sharded over the batch must be a global array "
+        f"(sharded as {sharding.spec}): build it from this process's rows with "
+        "`es.global_batch(local_batch, mesh)` (`jax.make_array_from_process_local_data`"
+        "); `es.process_slice(batch_size, mesh)` says which rows are this process's."
+    )
 
 
 def _reraise(e: Exception, dyn: list) -> None:

@@ -16,6 +16,7 @@ import optax
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
 from ._pure import apply_call, scan_calls, train_step, trainable_mask
+from ._sharding import Layout, carry_shardings, layout_rule, place, place_carry
 
 
 class Step:
@@ -38,6 +39,7 @@ class Step:
         donate: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         data_axis: str = "data",
+        layout: Layout = None,
         microbatches: int | None = None,
         scan_unroll: int | bool = 1,
         jit_kwargs: dict[str, Any] | None = None,
@@ -51,6 +53,12 @@ class Step:
                 f"make_step: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
                 "Pass `data_axis=` naming the axis that shards the batch."
             )
+        if layout is not None and mesh is None:
+            raise ValueError(
+                "make_step: `layout=` says how the model is split over a mesh; pass "
+                "the mesh too (`mesh=`)."
+            )
+        layout_rule(layout)  # a malformed layout fails here, not at the first step
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.has_aux = has_aux
@@ -58,6 +66,7 @@ class Step:
         self.trainable = trainable
         self.mesh = mesh
         self.data_axis = data_axis
+        self.layout = layout
         self.microbatches = microbatches
         pure = functools.partial(
             train_step,
@@ -92,6 +101,7 @@ class Step:
         )
         for c, batch_axis in ((self._compiled, 0), (self._scan, 1)):
             c.mesh, c.data_axis, c.batch_axis = mesh, data_axis, batch_axis
+            c.layout = layout
         self._scan.warn_recompile = False  # a new K compiles again, by design
 
     @property
@@ -109,9 +119,51 @@ class Step:
         **Returns:**
 
         `optimizer.init(es.params(model))`, restricted to the parameters selected
-        by `trainable` when the step has one.
+        by `trainable` when the step has one. With a mesh, it is laid out as the
+        step takes it: every copy of a parameter (Adam's moments, a momentum) like
+        that parameter, the rest replicated.
         """
-        return self.optimizer.init(trainable_params(model, self.trainable))
+        params = trainable_params(model, self.trainable)
+        if self.mesh is None:
+            return self.optimizer.init(params)
+        # the parameters where the step puts them, so that the state built from
+        # them (`zeros_like`, copies) is laid out alike from the start
+        params = place(params, self.mesh, self.layout)
+        opt_state = self.optimizer.init(params)
+        _, opt_state = place_carry(params, opt_state, self.mesh, self.layout)
+        return opt_state
+
+    def place(self, model: Any, opt_state: Any) -> tuple[Any, Any]:
+        """`(model, opt_state)` laid out on the step's mesh as the step takes them
+        (see `layout` in [`eqx_state.make_step`][]): the arrays are
+        `jax.device_put` there, `jax.ShapeDtypeStruct` leaves (an abstract model,
+        from `eqx.filter_eval_shape`) get the sharding — the target of a sharded
+        checkpoint restore —, ref-mode cells are checked to be there already.
+        Without a mesh, they are returned as they are.
+
+        **Example:**
+
+        ```python
+        import equinox as eqx, jax, jax.numpy as jnp, optax
+        from jax.sharding import PartitionSpec as P
+        import eqx_state as es
+
+        mesh = jax.make_mesh((1,), ("data",))
+        step = es.make_step(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2),
+                            optax.adam(1e-3), mesh=mesh,
+                            layout=[(r"weight$", P("data", None))])
+
+        def make():
+            model = eqx.nn.Linear(2, 4, key=jax.random.key(0))
+            return model, step.init(model)
+
+        model, opt_state = step.place(*eqx.filter_eval_shape(make))  # abstract
+        assert opt_state[0].mu.weight.sharding.spec == P("data", None)
+        ```
+        """
+        if self.mesh is None:
+            return model, opt_state
+        return place_carry(model, opt_state, self.mesh, self.layout)
 
     def lower(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
         """The compiled program that `step(model, opt_state, *args, **kwargs)` runs,
@@ -243,22 +295,25 @@ class OwnedLoop:
 class _StepCompiled(Compiled):
     data_axis: str = "data"
     batch_axis: int = 0  # 1 for `Step.scan`: its arguments are `[K, batch, ...]`
+    layout: Layout = None
 
-    def mesh_shardings(self, dyn: list, arg_ks: tuple[int, ...]) -> dict[str, Any]:
+    def mesh_placement(self, carry: tuple) -> list[Any]:
+        """Where each leaf of `(model, opt_state)` goes on the mesh (None: not an
+        array): the model by the layout (replicated by default), the optimizer
+        state like its parameters."""
+        model, opt_state = carry
+        model_sh, opt_sh = carry_shardings(model, opt_state, self.mesh, self.layout)
+        return [*model_sh, *opt_sh]
+
+    def arg_placement(self, x: Any) -> Any:
+        """Where an array argument goes: sharded over the data axis on its batch
+        axis, replicated when it has none."""
         from jax.sharding import NamedSharding, PartitionSpec
 
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        spec = (None,) * self.batch_axis + (self.data_axis,)
-        batch = NamedSharding(self.mesh, PartitionSpec(*spec))
-        # The model and the optimizer state are replicated, every array argument is
-        # sharded on its batch axis; the outputs stay replicated.
-        args = [
-            batch if np.ndim(dyn[k]) > self.batch_axis else replicated for k in arg_ks
-        ]
-        return {
-            "in_shardings": (replicated, replicated, args, None),
-            "out_shardings": replicated,
-        }
+        if np.ndim(x) > self.batch_axis:
+            spec = (None,) * self.batch_axis + (self.data_axis,)
+            return NamedSharding(self.mesh, PartitionSpec(*spec))
+        return NamedSharding(self.mesh, PartitionSpec())
 
 
 def trainable_params(model: Any, trainable: Any = None) -> Any:
@@ -358,6 +413,7 @@ def make_step(
     donate: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str = "data",
+    layout: Layout = None,
     microbatches: int | None = None,
     scan_unroll: int | bool = 1,
     **jit_kwargs: Any,
@@ -399,11 +455,24 @@ def make_step(
         pass `donate=False` to keep them valid (e.g. to differentiate through a
         step, or while debugging).
     - `mesh`: a `jax.sharding.Mesh` for data parallelism: every array argument is
-        sharded over `data_axis` on its leading (batch) axis, the model and the
-        optimizer state are replicated, and the step is compiled once for the mesh.
-        Reductions over the batch (BatchNorm statistics, metrics, the mean loss) are
-        then over the **global** batch: the step equals the same step on one device.
+        sharded over `data_axis` on its leading (batch) axis, the model is laid out
+        by `layout` (replicated by default), the optimizer state like its
+        parameters, and the step is compiled once for the mesh; its outputs keep
+        those layouts. Reductions over the batch (BatchNorm statistics, metrics,
+        the mean loss) are then over the **global** batch: the step equals the same
+        step on one device. The mesh may span several processes
+        (`jax.distributed.initialize`): every process runs the same step, and its
+        array arguments are then global arrays built from each process's part of
+        the batch with [`eqx_state.global_batch`][].
     - `data_axis`: the mesh axis that shards the batch.
+    - `layout`: how the model's arrays are split over the mesh (fully-sharded data
+        parallel, tensor parallel): a function `(path, x) -> PartitionSpec | None`
+        or a sequence of `(regex, PartitionSpec)` pairs, as for
+        [`eqx_state.place`][]. Unnamed arrays and state cells are replicated; the
+        optimizer state follows its parameters. A layout that splits
+        contractions (tensor parallel) needs the mesh's axes to be
+        `jax.sharding.AxisType.Auto` (JAX's default `Explicit` axes ask the model
+        code to say how each sharded matmul is split). See the scaling guide.
     - `microbatches`: accumulate gradients over this many equal slices of the batch
         (in a `lax.scan`, in place) and apply the optimizer once: with a mean loss
         this equals one step on the full batch. The loss runs once per slice, so
@@ -456,6 +525,7 @@ def make_step(
         donate=donate,
         mesh=mesh,
         data_axis=data_axis,
+        layout=layout,
         microbatches=microbatches,
         scan_unroll=scan_unroll,
         jit_kwargs=jit_kwargs,

@@ -1,0 +1,235 @@
+"""Sharded parameters on 4 devices in one process: `make_step(..., layout=...)`
+(tensor parallel over a 2 x 2 mesh) equals one device, keeps every output where the
+layout puts it and gathers no weight; the optimizer state follows its parameters;
+Orbax restores a 2 x 2 layout onto a 1 x 4 one; misuse names the fix."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqx_state as es
+
+
+class Net(eqx.Module):
+    l1: eqx.nn.Linear
+    bn: es.nn.BatchNorm
+    l2: eqx.nn.Linear
+    steps: es.nn.Counter
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(6, 8, use_bias=False, key=k1)
+        self.bn = es.nn.BatchNorm(8)
+        self.l2 = eqx.nn.Linear(8, 3, key=k2)
+        self.steps = es.nn.Counter()
+
+    def __call__(self, x):
+        return jax.vmap(self.l2)(jax.nn.relu(self.bn(jax.vmap(self.l1)(x))))
+
+
+def loss_fn(model, x, y):
+    model.steps.increment()
+    return jnp.mean((model(x) - y) ** 2)
+
+
+LAYOUT = [
+    (r"l1\.weight$", P("model", None)),
+    (r"bn\.(weight|bias|running_mean|running_var)$", P("model")),
+    (r"l2\.weight$", P(None, "model")),
+]
+
+
+@pytest.fixture(scope="module")
+def mesh2x2():
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (run through tests/test_multidevice.py)")
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _data(n=3, batch=8):
+    kx, ky = jax.random.split(jax.random.key(1))
+    return jax.random.normal(kx, (n, batch, 6)), jax.random.normal(ky, (n, batch, 3))
+
+
+def _arrays(tree):
+    return [v for v in jax.tree.leaves(es.freeze(tree)) if isinstance(v, jax.Array)]
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_tensor_parallel_equals_single_device(mesh2x2, mode):
+    xs, ys = _data()
+    step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh2x2, layout=LAYOUT)
+    model = es.place(Net(jax.random.key(0)), mesh2x2, LAYOUT)
+    if mode == "ref":
+        model = es.to_refs(model)  # the refs are made where the layout put the arrays
+    opt_state = step.init(model)
+    hlo = step.lower(model, opt_state, xs[0], ys[0]).compile().as_text()
+    assert not re.search("all-gather|all-to-all", hlo)  # no weight is assembled
+    for i in range(len(xs)):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    assert step.trace_count == 1
+
+    single = es.make_step(loss_fn, optax.adam(1e-2))
+    m = Net(jax.random.key(0))
+    s = single.init(m)
+    dev = jax.devices()[0]
+    for i in range(len(xs)):
+        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
+    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    frozen = es.freeze(model)
+    assert frozen.l1.weight.sharding.spec == P("model", None)
+    assert frozen.l2.weight.sharding.spec == P(None, "model")
+    assert frozen.bn.running_var.value.sharding.spec == P("model")
+    assert frozen.bn.num_batches_tracked.value.sharding.is_fully_replicated
+    assert frozen.l2.bias.sharding.is_fully_replicated
+    assert opt_state[0].mu.l1.weight.sharding.spec == P("model", None)
+    assert opt_state[0].nu.bn.bias.sharding.spec == P("model")
+    assert opt_state[0].count.sharding.is_fully_replicated
+    # each device holds half of the hidden layer
+    assert frozen.l1.weight.addressable_shards[0].data.shape == (4, 6)
+
+
+def test_optimizer_state_follows_its_parameters_through_wrappers(mesh2x2):
+    """Every copy of a parameter in a nested optimizer state (a chain, weight
+    decay, gradient accumulation) is laid out like the parameter."""
+    opt = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), 2
+    )
+    step = es.make_step(loss_fn, opt, mesh=mesh2x2, layout=LAYOUT)
+    model = Net(jax.random.key(0))
+    opt_state = step.init(model)
+    specs = {
+        jax.tree_util.keystr(p): v.sharding.spec
+        for p, v in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if isinstance(v, jax.Array)
+    }
+    weights = [k for k in specs if k.endswith(".l1.weight")]
+    assert len(weights) >= 3  # accumulated gradients, mu, nu
+    assert all(specs[k] == P("model", None) for k in weights)
+    assert all(specs[k] == P(None, "model") for k in specs if k.endswith(".l2.weight"))
+    assert all(specs[k] == P() for k in specs if k.endswith(".l2.bias"))
+    # and the step takes it as it is: no copy, one compilation
+    xs, ys = _data(2)
+    for i in range(2):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+    assert step.trace_count == 1
+
+
+def test_orbax_restores_a_2x2_layout_onto_1x4(mesh2x2, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    xs, ys = _data(2)
+    step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh2x2, layout=LAYOUT)
+    model = Net(jax.random.key(0))
+    model, opt_state = step.place(model, step.init(model))
+    model, opt_state = step(model, opt_state, xs[0], ys[0])
+    with ocp.CheckpointManager(
+        tmp_path, item_handlers=ocp.StandardCheckpointHandler()
+    ) as manager:
+        manager.save(1, args=ocp.args.StandardSave(es.to_orbax((model, opt_state))))
+        manager.wait_until_finished()
+        mesh1x4 = jax.make_mesh(
+            (1, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+        )
+        other = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh1x4, layout=LAYOUT)
+
+        def fresh():
+            m = Net(jax.random.key(1))
+            return m, other.init(m)
+
+        like = other.place(*eqx.filter_eval_shape(fresh))  # abstract, 1 x 4 layout
+        assert like[0].l1.weight.sharding.spec == P("model", None)
+        target = es.orbax_target(like, manager.item_metadata(1))
+        restored = manager.restore(1, args=ocp.args.StandardRestore(target))
+    m2, s2 = es.from_orbax(restored, like)
+    assert m2.l1.weight.sharding.mesh.shape == {"data": 1, "model": 4}
+    assert m2.l1.weight.addressable_shards[0].data.shape == (2, 6)
+    for a, b in zip(_arrays((m2, s2)), _arrays((model, opt_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # and it trains on, on the new mesh
+    m2, s2 = other(m2, s2, xs[1], ys[1])
+    assert int(m2.steps.count[...]) == 2
+
+
+def test_ref_mode_cells_off_the_layout_name_the_fix(mesh2x2):
+    rep = NamedSharding(mesh2x2, P())
+    model = es.to_refs(Net(jax.random.key(0)), sharding=rep)  # replicated refs
+    step = es.make_step(loss_fn, optax.sgd(0.1), mesh=mesh2x2, layout=LAYOUT)
+    xs, ys = _data(1)
+    with pytest.raises(
+        es.StepError, match=r"`bn\.running_mean`.*es\.to_refs\(es\.place\("
+    ):
+        step(model, step.init(model), xs[0], ys[0])
+    with pytest.raises(es.StateError, match="JAX cannot move a ref"):
+        es.place(model, mesh2x2, LAYOUT)
+
+
+def test_explicit_axes_with_a_split_contraction_say_use_auto():
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("data", "model"))  # JAX's default: Explicit
+    step = es.make_step(loss_fn, optax.sgd(0.1), mesh=mesh, layout=LAYOUT)
+    model = Net(jax.random.key(0))
+    xs, ys = _data(1)
+    with pytest.raises(Exception, match="Contracting dimensions") as info:
+        step(model, step.init(model), xs[0], ys[0])
+    assert "AxisType.Auto" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_layout_that_does_not_divide_names_the_path(mesh2x2):
+    with pytest.raises(es.StepError, match=r"`l2\.bias` \(shape \(3,\)\)"):
+        es.place(Net(jax.random.key(0)), mesh2x2, [(r"l2\.bias", P("model"))])
+    step = es.make_step(
+        loss_fn, optax.sgd(0.1), mesh=mesh2x2, layout=[(r"l2\.bias", P("data"))]
+    )
+    with pytest.raises(es.StepError, match="does not divide 3"):
+        step.init(Net(jax.random.key(0)))
+
+
+def test_process_slice_on_one_process(mesh2x2):
+    assert es.process_slice(8, mesh2x2) == slice(0, 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        es.process_slice(7, mesh2x2)
+    x = es.global_batch(np.ones((8, 6), np.float32), mesh2x2)
+    assert x.sharding.spec == P("data") and x.addressable_shards[0].data.shape == (4, 6)
+
+
+def test_scan_with_a_layout_equals_single_device_steps(mesh2x2):
+    """`step.scan` carries a sharded model and optimizer state through its loop and
+    returns them in the layout."""
+    xs, ys = _data(3)
+    step = es.make_step(loss_fn, optax.adam(1e-2), mesh=mesh2x2, layout=LAYOUT)
+    model = Net(jax.random.key(0))
+    model, opt_state = step.scan(model, step.init(model), xs, ys)
+    assert step.trace_count == 1
+    assert model.l1.weight.sharding.spec == P("model", None)
+    assert opt_state[0].nu.l2.weight.sharding.spec == P(None, "model")
+    single = es.make_step(loss_fn, optax.adam(1e-2))
+    m = Net(jax.random.key(0))
+    s = single.init(m)
+    dev = jax.devices()[0]
+    for i in range(len(xs)):
+        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
+    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_batch_size_on_the_mesh_warns_once(mesh2x2):
+    """A ragged batch compiles the mesh step again, with the same warning as on one
+    device."""
+    lin = eqx.nn.Linear(6, 4, key=jax.random.key(0))
+    step = es.make_step(
+        lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2), optax.sgd(0.1), mesh=mesh2x2
+    )
+    opt_state = step.init(lin)
+    lin, opt_state = step(lin, opt_state, jnp.ones((8, 6)))
+    with pytest.warns(es.RecompileWarning, match=r"\(8, 6\)"):
+        lin, opt_state = step(lin, opt_state, jnp.ones((4, 6)))
+    assert step.trace_count == 2
