@@ -58,6 +58,10 @@ def _closing(s, i):
 
 
 _ALIAS = re.compile(r"tf\.aliasing_output = (\d+) : i32")
+_SHARDING = re.compile(r"sdy\.sharding = #sdy\.sharding<(@mesh, .*?\])>")
+_CONSTRAINT = re.compile(
+    r"(%\d+) = sdy\.sharding_constraint (%arg\d+) <(@mesh, .*?\])> :"
+)
 
 
 def _clean_attrs(decl):
@@ -93,6 +97,37 @@ def _program(lowered):
     ret = lines[-1].strip()
     assert ret.startswith("return "), ret
     operands = _split_top(ret[len("return ") : ret.index(" : ")])
+    # On a mesh each output is constrained to its sharding: an argument returned
+    # under the very sharding it came with is still only passed through.
+    declared = {
+        a.split(":", 1)[0].strip(): _SHARDING.search(a).group(1)
+        for a in _split_top(text[head.end() : a_end])
+        if _SHARDING.search(a)
+    }
+    kept_lines = []
+    for line in lines[:-1]:
+        m = _CONSTRAINT.match(line.strip())
+        if m and declared.get(m.group(2)) == m.group(3):
+            operands = [m.group(2) if o == m.group(1) else o for o in operands]
+        else:
+            kept_lines.append(line)
+    # renumber the values the removed lines left gaps in
+    order = {}
+    for line in kept_lines:
+        for v in re.findall(
+            r"(%\d+)(?::\d+)? = |(%\d+), ", line.split(" = ")[0] + " = "
+        ):
+            for name in v:
+                if name and name not in order:
+                    order[name] = f"%{len(order)}"
+    renum = re.compile(r"%\d+\b")
+    kept_lines = [
+        renum.sub(lambda m: order.get(m.group(0), m.group(0)), ln) for ln in kept_lines
+    ]
+    operands = [
+        renum.sub(lambda m: order.get(m.group(0), m.group(0)), o) for o in operands
+    ]
+    lines = [*kept_lines, lines[-1]]
     body = "\n".join(lines[:-1])
 
     names = [a.split(":", 1)[0].strip() for a in args]
