@@ -7,7 +7,8 @@ result: `eqx.filter_jit(train_step)` computes the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -44,7 +45,7 @@ def train_step(
 
     _check_opt_state(optimizer, opt_state, diff)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
-    with named_cells(paths):  # errors about a cell name its path
+    with named_cells(paths), _cond_note():  # errors about a cell name its path
         if microbatches is None:
             (value, aux), grads = grad_fn(diff, *args, **kwargs)
         else:
@@ -58,7 +59,7 @@ def train_step(
 def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
     """Run `fn(model, *args, **kwargs)` with writable cells: returns `(out, model)`."""
     thawed, made, paths = thaw(model)
-    with named_cells(paths):
+    with named_cells(paths), _cond_note():
         out = fn(thawed, *args, **kwargs)
     ours = [
         c.value
@@ -72,6 +73,25 @@ def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) ->
                 "values (`buf[...]`), not cells; the new model is returned by `apply`."
             )
     return out, refreeze(thawed, made)
+
+
+@contextlib.contextmanager
+def _cond_note() -> Iterator[None]:
+    """JAX refuses to `vmap` a `lax.cond` (or `switch`) whose predicate is batched
+    when a branch writes state, with a bare `NotImplementedError`; add the fix to
+    it (it is kept as it is, so nothing is hidden)."""
+    try:
+        yield
+    except NotImplementedError as e:
+        e.add_note(
+            "eqx_state: if this comes from `lax.cond` / `lax.switch` under `vmap` "
+            "with a predicate that differs between examples or ensemble members, "
+            "and a branch writes state: JAX cannot batch a branch with state "
+            "effects. Compute both values and write once, unconditionally: "
+            "`cell[...] = jnp.where(pred, new, cell[...])` (or `lax.select`); or "
+            "call the layer outside the `cond`."
+        )
+        raise
 
 
 def _cells(tree: Any) -> list[Any]:

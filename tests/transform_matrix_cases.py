@@ -747,6 +747,26 @@ def t_cond(case: Case, mode: str) -> Result:
     return Result([y1, y2], model, [outs[0], xs[1]], st, _params0(case))
 
 
+def t_vmap_cond(case: Case, mode: str) -> Result:
+    """`lax.cond` under `jax.vmap` over an ensemble whose members take different
+    branches (a batched predicate): the call in the true branch only, inside
+    `es.apply` in both modes."""
+    ens = prepare(ensemble(case.name), mode)
+    outs, st, xs = _ensemble_reference(case, E)
+    dyn, static = eqx.partition(ens, es.is_array)
+    preds = jnp.arange(E) % 2 == 0
+
+    def fn(d, xs, preds):
+        def member(d, x, pred):
+            m = eqx.combine(d, static)
+            return jax.lax.cond(pred, lambda x: case.call(m, x), lambda x: x, x)
+
+        return jax.vmap(member)(d, xs, preds)
+
+    y, dyn = es.apply(fn, dyn, xs, preds)
+    return Result([y], eqx.combine(dyn, static), outs, st)
+
+
 def t_switch(case: Case, mode: str) -> Result:
     """`lax.switch` over three branches (no call, one call, two calls). Run with
     index 0 (no write), then 2 (two writes)."""
@@ -804,6 +824,7 @@ TRANSFORMS: dict[str, Callable[[Case, str], Result]] = {
     "scan (layers, eqx.is_array)": t_scan_layers_eqx,
     "scan (layers, es.is_array)": t_scan_layers_es,
     "cond": t_cond,
+    "vmap of cond": t_vmap_cond,
     "switch": t_switch,
     "while_loop": t_while_loop,
 }
@@ -863,6 +884,13 @@ _UNSLICED_REF = Raises(
     "catches the mismatch at the first read or write and the error names "
     "`eqx.partition(model, es.is_array)` ([[scan (layers, es.is_array)]])",
 )
+_VMAP_COND = Raises(
+    NotImplementedError,
+    r"jnp\.where\(pred, new, cell\[\.\.\.\]\)",
+    "JAX cannot `vmap` a `lax.cond` whose predicate is batched when a branch writes "
+    "state; the error (JAX's, with a note added inside `es.apply` and steps) says to "
+    "compute both values and write once with `jnp.where`",
+)
 _ES_VMAP_RNG = Raises(
     es.StateWriteError,
     r"inside `es.vmap` without `axis_name`",
@@ -878,6 +906,8 @@ def expectation(case_name: str, column: str, mode: str) -> Raises | Known | None
     case = CASE_BY_NAME[case_name]
     if column == "scan (layers, eqx.is_array)":
         return _UNSLICED_REF
+    if column == "vmap of cond":
+        return _VMAP_COND
     if column == "vmap (per example)":
         # JAX refuses any write into an unbatched ref inside `jax.vmap`, even of a
         # value that does not depend on the example (a counter increment).
