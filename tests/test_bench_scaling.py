@@ -4,12 +4,14 @@ its collective byte count reads a compiled program right."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from _scripts import load_script
 
 
 scaling = load_script("benchmarks", "scaling")
 
 
+@pytest.mark.slow
 def test_scaling_benchmark_tiny():
     results = scaling.main(["--tiny", "--devices", "1", "2", "--multi", "2x1"])
     assert set(results) == {"1", "2", "2x1"}

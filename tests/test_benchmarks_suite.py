@@ -63,6 +63,7 @@ def _row(section: str, *first_cells: str) -> list[str]:
     raise AssertionError(f"no row {first_cells!r} in:\n{section}")
 
 
+@pytest.mark.slow
 def test_run_tiny_reports_every_benchmark(tmp_path):
     out, root = tmp_path / "out", tmp_path / "root"
     root.mkdir()

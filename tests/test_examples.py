@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _scripts import ROOT, load_script
 
 
@@ -166,6 +167,7 @@ def test_train_digits_scan_tiny(capsys):
     assert "faster" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_digits_scan_is_exact_in_float64(tmp_path):
     """In float64 the two loops agree to round-off of float64: the float32 difference
     is XLA's fusion, not a different computation."""

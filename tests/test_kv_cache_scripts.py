@@ -22,7 +22,7 @@ def _example():
     return cached_script("examples", "decode_kv_cache", "_decode_kv_cache_example")
 
 
-@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("steps", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_decode_example_prints_tokens_and_matches_uncached(capsys, steps):
     """`--steps 1` generates one token (the prefill's argmax) and still compares
     the prompt's logits; the batch rows decode what each prompt decodes alone."""
@@ -81,6 +81,7 @@ def test_decode_example_check_fails_when_nothing_is_compared():
     assert ex.max_abs_diff(jnp.zeros(2), jnp.array([0.0, -0.5]), "x") == 0.5
 
 
+@pytest.mark.slow
 def test_kv_cache_benchmark_tiny(bench, tmp_path):
     rows = bench.main(["--tiny", "--out", str(tmp_path)])
     assert set(rows) == set(bench.VARIANTS)
@@ -108,6 +109,7 @@ def test_kv_cache_benchmark_tiny(bench, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_kv_cache_benchmark_check_catches_a_wrong_variant(bench, monkeypatch):
     """The correctness check is not vacuous: a variant that loses one prompt token
     is rejected before any timing."""

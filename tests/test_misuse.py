@@ -747,6 +747,7 @@ class _Tracker(eqx.Module):
         return self.norm(x)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=8,
     deadline=None,

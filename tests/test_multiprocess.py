@@ -197,6 +197,7 @@ def example_run(tmp_path_factory):
     return directory, args, result
 
 
+@pytest.mark.slow
 def test_example_trains_checkpoints_resumes_and_checks_itself(example_run):
     """`examples/train_multiprocess.py --processes 2`: tensor parallel + fully
     sharded on 2 x 2 devices over two processes, an Orbax checkpoint written by
@@ -220,6 +221,7 @@ def test_example_trains_checkpoints_resumes_and_checks_itself(example_run):
         assert data and all(f.stat().st_size > 0 for f in data), i
 
 
+@pytest.mark.slow
 def test_example_check_fails_on_a_mismatch(example_run, monkeypatch, capsys):
     """The example's check is not vacuous: run here (one device) on the same
     checkpoints it passes, and with a reference trained on other labels it fails."""
@@ -266,6 +268,7 @@ def test_a_dying_worker_fails_fast_with_its_log(tmp_path):
     _assert_stopped(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_hanging_run_times_out(tmp_path):
     with pytest.raises(example.WorkerError, match="timed out"):
         _launch(tmp_path, [SLEEPER, "import time; time.sleep(1)"], timeout=3)
@@ -326,6 +329,7 @@ def test_docstring_examples_run(obj):
         exec(compile(block, f"<{obj.__qualname__}>", "exec"), {"__name__": "doc"})
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_launcher_is_killed(tmp_path):
     """A launcher killed from outside (a time limit) leaves no worker behind: each
     worker watches its launcher and exits when it is gone."""

@@ -325,6 +325,7 @@ def test_example_resumes_bit_exactly_after_a_stop(example, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_example_resumes_bit_exactly_after_a_crash(example, tmp_path):
     """Value mode: a process crashes after step 10 (an in-flight save is lost); this
     process resumes from whatever checkpoint is finalised and finishes."""

@@ -63,6 +63,7 @@ def _errors(out):
     return [float(e) for e in re.findall(r"max error (\S+)", out)]
 
 
+@pytest.mark.slow
 def test_float32_drift_is_confirmed_in_float64(port, capsys, one_torch_thread):
     # At a large learning rate float32 training drifts (rounding, amplified by
     # training); the script then repeats the check in float64, where the port agrees
