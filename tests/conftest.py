@@ -1,5 +1,20 @@
-import jax
-import pytest
+import os
+
+
+# The tests compile thousands of small programs; on CI's 2 cores, most of their time is
+# XLA's LLVM backend optimising code that runs for microseconds. Level 0 keeps XLA's
+# own passes (fusion, layouts) and skips LLVM's optimisations: the suite runs ~25%
+# faster. Results are compared with tolerances, or against programs compiled the same
+# way. Set XLA_FLAGS yourself to test at another level; what users run (the examples
+# and benchmarks outside the tests) keeps JAX's default. XLA reads the flag when JAX
+# starts its backend, after this file is imported; the tests' subprocesses inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 # Equinox's tests use strict dtype and rank promotion; Optax's optimizers (and

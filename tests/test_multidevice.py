@@ -23,6 +23,8 @@ def test_multidevice_suite():
             "-q",
             "-p",
             "no:cacheprovider",
+            "-n",
+            "0",  # one process: it is one worker of the outer run already
             str(HERE / "multidevice"),
         ],
         env=env,

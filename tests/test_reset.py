@@ -124,10 +124,17 @@ SELECTIONS = [
 ]
 
 
+def _id(s):
+    """A deterministic test id (sets are sorted: pytest-xdist needs equal ids)."""
+    if isinstance(s, (set, frozenset)):
+        return "{" + ",".join(sorted(s)) + "}"
+    if isinstance(s, tuple):
+        return "(" + ",".join(_id(x) for x in s) + ")"
+    return getattr(s, "__name__", str(s))
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "which,names", SELECTIONS, ids=lambda s: getattr(s, "__name__", str(s))
-)
+@pytest.mark.parametrize("which,names", SELECTIONS, ids=_id)
 def test_reset_selects_exactly_the_chosen_cells(mode, which, names):
     model = _written()
     before = _numpy_state(model)
