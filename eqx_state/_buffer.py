@@ -215,7 +215,8 @@ def _check_ref(buf: Buffer) -> None:
             "transformation sliced or batched the model's arrays but not its state "
             "refs, which Equinox's filters treat as static (`eqx.is_array` is False "
             "for a `jax.Ref`). The usual cause is scan-over-layers or "
-            "`eqx.filter_vmap` with `eqx.partition(model, eqx.is_array)`; use "
+            "`eqx.filter_vmap` with `eqx.partition(model, eqx.is_array)` (or "
+            "`eqx.is_inexact_array`); use "
             "`eqx.partition(model, es.is_array)` (arrays *and* refs) instead, so that "
             "each layer gets its own slice of every state ref. (If you replaced the "
             "cell's ref with `eqx.tree_at`, replace the whole cell instead.)"
@@ -226,6 +227,21 @@ def _check_ref(buf: Buffer) -> None:
 
 def _write(buf: Buffer, idx: Any, new: Any) -> None:
     cell = buf.value
+    if not _is_ref(cell) and _PATHS.get() is not None:
+        raise StateWriteError(
+            f"A layer tried to write the {describe(buf)}, which holds an array, not "
+            "a ref, although a step or `es.apply` is running: the cell is not one "
+            "of the cells that call was given. Either it was copied out of them "
+            "(`jax.tree.map(lambda a: a[i], stack)` indexing stacked layers reads "
+            "a copy of every ref: run stacked layers with `lax.scan` over "
+            "`eqx.partition(stack, es.is_array)`, which gives each layer its slice "
+            "of every ref), or it belongs to a model that is not the call's model "
+            "(a closure, or an extra argument: only the model argument's cells are "
+            "writable; pass both, e.g. `es.apply(fn, (model_a, model_b), x)`), or "
+            "the layer was made "
+            "inside the call (build it before and pass it in the model). The write "
+            "would be lost."
+        )
     if not _is_ref(cell):
         raise StateWriteError(
             f"A layer tried to write the {describe(buf)}, but the model is in value "

@@ -28,9 +28,9 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
 from ._buffer import is_state
+from ._compat import Tracer, ref_is_consumed
 from ._errors import StaleModelError, StateError
 
 
@@ -153,12 +153,9 @@ def _check_live(x: Any, where: str) -> None:
 
 def _read_ref(ref: Any, where: str) -> jax.Array:
     """A snapshot (a copy) of the value of a ref-mode cell."""
-    try:
-        return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
-    except RuntimeError as e:  # a ref whose buffer was donated
-        if "delete" in str(e).lower() or "donat" in str(e).lower():
-            raise StaleModelError(_stale_message(where)) from e
-        raise
+    if not isinstance(ref, Tracer) and ref_is_consumed(ref):  # donated away
+        raise StaleModelError(_stale_message(where))
+    return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
 
 
 @functools.cache

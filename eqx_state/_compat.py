@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.core
-import numpy as np
 
 
 # -- types -----------------------------------------------------------------------
@@ -36,36 +35,6 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 def is_batched(x: Any) -> bool:
     """Whether `x` is a value being mapped by `jax.vmap` (a batch tracer)."""
     return _BatchTracer is not None and isinstance(x, _BatchTracer)
-
-
-# -- weak types --------------------------------------------------------------------
-
-try:
-    from jax._src.lax.lax import _convert_element_type
-except ImportError:  # pragma: no cover - depends on the JAX version
-    _convert_element_type = None
-
-
-def with_weak_type(x: Any, dtype: Any, weak_type: bool) -> Any:
-    """`x` converted to `dtype` with the given weak type. Public JAX can make a
-    strongly-typed array from a weak one, not the other way around."""
-    if _convert_element_type is None:  # pragma: no cover
-        return x.astype(dtype)
-    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        dtype = np.dtype(dtype)
-    return _convert_element_type(x, dtype, weak_type=weak_type)
-
-
-def like_type(out: Any, like: Any) -> Any:
-    """`out` with the weak type of `like` (its input) when their dtypes agree: a
-    weakly typed input that an optimizer returns strongly typed keeps its type, so
-    the next call (or scan iteration) sees the same types."""
-    if not isinstance(like, (jax.Array, np.ndarray, np.generic)):
-        return out
-    o, i = jax.typeof(out), jax.typeof(like)
-    if o.dtype == i.dtype and o.weak_type != i.weak_type:
-        return with_weak_type(out, i.dtype, i.weak_type)
-    return out
 
 
 # -- consumed refs -----------------------------------------------------------------

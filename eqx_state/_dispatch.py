@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
-from ._compat import Tracer, equinox_runtime_error, like_type
+from ._compat import Tracer, equinox_runtime_error
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
 from ._sharding import (
@@ -272,7 +272,10 @@ class _Plan:
             if o is inp and i not in self.donated_pos:
                 continue  # unchanged: the caller's own leaf is the output
             if isinstance(o, jax.Array):
-                o = _match_type(o, inp)
+                # Returned as computed, weak type included (as `eqx.filter_jit`):
+                # an optimizer that makes a weakly typed parameter strong changes
+                # how the next step computes with it, so the next call is traced
+                # for the new type.
                 if self.out_placement is not None:  # on a mesh: keep the layout
                     o = slots[i] = constrain(
                         o, self.out_placement.get(i, self.replicated)
@@ -308,9 +311,6 @@ def _named(fn: Callable, name: str) -> Callable:
 
     named.__name__ = named.__qualname__ = name
     return named
-
-
-_match_type = like_type
 
 
 class Compiled:

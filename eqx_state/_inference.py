@@ -8,6 +8,25 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._buffer import stale_message
+from ._compat import REF_TYPES, Tracer, ref_is_consumed
+from ._errors import StaleModelError
+
+
+def _check_live(model: Any) -> None:
+    """`StaleModelError` for a model consumed by a donating call: switching its
+    mode would hand back a model that fails at its first parameter read with
+    JAX's bare "Array has been deleted"."""
+    for path, x in jax.tree_util.tree_leaves_with_path(model):
+        if isinstance(x, REF_TYPES):
+            dead = not isinstance(x, Tracer) and ref_is_consumed(x)
+        else:
+            dead = isinstance(x, jax.Array) and not isinstance(x, Tracer)
+            dead = dead and x.is_deleted()
+        if dead:
+            where = f"model's leaf `{jax.tree_util.keystr(path)}`"
+            raise StaleModelError(stale_message(where))
+
 
 def _has_inference(x: Any) -> bool:
     return isinstance(x, eqx.Module) and hasattr(x, "inference")
@@ -112,6 +131,7 @@ def inference_mode(
     ```
     """
     keep = _as_predicate(only)
+    _check_live(model)
 
     def switch(part: Any) -> Any:
         targets = set(_inference_paths(part, keep))

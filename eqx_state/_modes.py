@@ -46,17 +46,21 @@ def _rebuild(buf: Buffer, **fields: Any) -> Buffer:
     return new
 
 
+_WITNESS_DTYPE = jnp.float32
+
+
 def _witness(v: Any) -> jax.Array:
-    """A zero-size bool array of shape `(*v.shape, 0)`, laid out like `v` where it
-    is sharded with a `NamedSharding` (so that a sharded ensemble's witnesses are
-    mapped with it)."""
+    """A zero-size float32 array of shape `(*v.shape, 0)`, laid out like `v` where
+    it is sharded with a `NamedSharding` (so that a sharded ensemble's witnesses
+    are mapped with it). Floating, so that every array filter of Equinox
+    (`eqx.is_array`, `eqx.is_inexact_array`, `eqx.is_array_like`) slices it."""
     shape = (*v.shape, 0)
     if isinstance(v, Tracer):
         sharding = getattr(jax.typeof(v), "sharding", None)
         if any(s is not None for s in getattr(sharding, "spec", ())):
-            return jax.lax.full(shape, False, jnp.bool_, sharding=sharding)
-        return jnp.zeros(shape, jnp.bool_)
-    w = jnp.zeros(shape, jnp.bool_)
+            return jax.lax.full(shape, 0.0, _WITNESS_DTYPE, sharding=sharding)
+        return jnp.zeros(shape, _WITNESS_DTYPE)
+    w = jnp.zeros(shape, _WITNESS_DTYPE)
     sharding = getattr(v, "sharding", None)
     if (
         isinstance(sharding, jax.sharding.NamedSharding)

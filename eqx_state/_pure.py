@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
-from ._compat import like_type
 from ._errors import StepError
 from ._modes import refreeze, thaw, without_witnesses
 
@@ -250,17 +249,33 @@ def scan_calls(
                 "optimizer state; `scan` carries them from one call to the next."
             )
         for path, (n, o) in _paired(new_arrays, arrays):
-            if jax.typeof(n).dtype != jax.typeof(o).dtype:
+            tn, to = jax.typeof(n), jax.typeof(o)
+            if tn.dtype != to.dtype:
                 raise StepError(
                     f"A call inside `scan` changed the dtype of {path} from "
-                    f"{jax.typeof(o).dtype} to {jax.typeof(n).dtype}; `scan` carries "
-                    "the model and the optimizer state from one call to the next, "
-                    "so each leaf must keep its dtype."
+                    f"{to.dtype} to {tn.dtype}; `scan` carries the model and the "
+                    "optimizer state from one call to the next, so each leaf must "
+                    "keep its dtype."
+                )
+            if tn.weak_type != to.weak_type:
+                # K separate calls would compute the next call with the new type
+                # (a weak type takes the other operand's dtype); a scan's carry
+                # keeps one type, so it could not equal them.
+                raise StepError(
+                    f"A call inside `scan` returns {path} "
+                    f"{'weakly' if tn.weak_type else 'strongly'} typed, but it came "
+                    f"in {'weakly' if to.weak_type else 'strongly'} typed (an array "
+                    "made from a Python number, e.g. `jnp.asarray(1.3)`, is weakly "
+                    "typed; optimizers return it strongly typed). Later calls would "
+                    "compute with it differently from the first, which one scan "
+                    f"cannot do. Give it a dtype where it is made (e.g. "
+                    f"`jnp.asarray(1.3, jnp.float32)`), or run one call before "
+                    "`scan`."
                 )
         del new_static  # Python values: the carry's own (checked by the structure)
         out_arrays, static_out = eqx.partition(out, eqx.is_array)
         out_static.append(static_out)
-        return jax.tree.map(like_type, new_arrays, arrays), out_arrays
+        return new_arrays, out_arrays
 
     arrays, outs = jax.lax.scan(body, arrays, batch, unroll=unroll)
     return eqx.combine(arrays, static), eqx.combine(outs, out_static[-1])

@@ -477,7 +477,14 @@ def _checked(
     have, dtype = np.dtype(x.dtype), np.dtype(want.dtype)
     if have != dtype:
         ints = np.issubdtype(have, np.integer) and np.issubdtype(dtype, np.integer)
+        floats = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(
+            dtype, jnp.floating
+        )
         if ints and _fits(x, dtype):
+            x = np.asarray(x).astype(dtype)
+        elif floats and jnp.promote_types(have, dtype) == dtype:
+            # exact: every value of the narrower float is one of the wider (a
+            # bfloat16 model's BatchNorm statistics are kept in float32)
             x = np.asarray(x).astype(dtype)
         else:
             fix = (
@@ -693,9 +700,11 @@ def load_state_dict(
     dict without version metadata (checkpoints saved before PyTorch 0.4.1, plain
     dicts): the count then keeps its value and is not reported missing.
 
-    Shapes must match exactly, and dtypes too, except integers of another width
-    whose values fit (PyTorch's int64 `num_batches_tracked` into an int32 cell): a
-    float64 tensor is not loaded silently into a float32 parameter.
+    Shapes must match exactly, and dtypes too, except where the conversion is
+    exact: integers of another width whose values fit (PyTorch's int64
+    `num_batches_tracked` into an int32 cell), and a float into a wider float (a
+    bfloat16 model's BatchNorm statistics, kept in float32). A float64 tensor is
+    not loaded silently into a float32 parameter.
 
     The model may be **abstract**, built without initialising anything (PyTorch's
     meta device): `model = eqx.filter_eval_shape(Net, ..., key=key)` gives

@@ -579,3 +579,68 @@ def test_torch_eval_does_not_update_case():
     bn(x)
     assert int(bn.num_batches_tracked[...]) == 1
     assert not np.allclose(bn.running_mean[...], 0)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_empty_batch_keeps_the_statistics_like_torch(mode, momentum):
+    """An empty batch `[0, C]` in training: PyTorch keeps the running statistics
+    and counts the call (which moves a cumulative average's weights)."""
+    rng = np.random.default_rng(0)
+    tbn = torch.nn.BatchNorm1d(3, momentum=momentum)
+    bn = es.nn.BatchNorm(3, momentum=momentum)
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    for n in (4, 0, 5):
+        x = rng.normal(size=(n, 3)).astype(np.float32) + 2
+        y, bn = _run(mode, bn, jnp.asarray(x))
+        ty = tbn(torch.from_numpy(x)).detach().numpy()
+        assert y.shape == (n, 3)
+        np.testing.assert_allclose(np.asarray(y), ty, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            bn.running_mean[...], tbn.running_mean.numpy(), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            bn.running_var[...], tbn.running_var.numpy(), rtol=1e-6
+        )
+        assert int(bn.num_batches_tracked[...]) == int(tbn.num_batches_tracked)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_one_value_per_channel_is_refused_or_keeps_the_variance(mode):
+    """PyTorch refuses a training batch of one value per channel (its unbiased
+    variance is undefined). Unmasked, also per example under `es.vmap` (a batch of
+    one), it raises; a mask leaving one entry (known only at run time) updates the
+    running mean and keeps the running variance, as documented."""
+    x = jnp.array([[1.0, 2.0], [5.0, 7.0], [9.0, 3.0]])
+    with pytest.raises(ValueError, match="one value per channel"):
+        _run(mode, es.nn.BatchNorm(2), x[:1])
+    per = es.nn.BatchNorm(2, channel_axis=0, axis_name="batch")
+    with pytest.raises(ValueError, match="one value per channel over axis 'batch'"):
+        _per_example(mode, es.to_refs(per) if mode == "ref" else per, x[:1])
+    bn = es.nn.BatchNorm(2)
+    bn = es.to_refs(bn) if mode == "ref" else bn
+    mask = jnp.array([True, False, False])[:, None]
+    fn = lambda m, x: m(x, mask=mask)  # noqa: E731
+    _, bn = (fn(bn, x), bn) if mode == "ref" else es.apply(fn, bn, x)
+    np.testing.assert_allclose(bn.running_mean[...], 0.1 * np.array([1.0, 2.0]))
+    np.testing.assert_array_equal(bn.running_var[...], [1.0, 1.0])
+    assert int(bn.num_batches_tracked[...]) == 1
+
+
+def test_bfloat16_model_keeps_float32_statistics_that_do_not_stall():
+    """`BatchNorm(dtype=bfloat16)`: weight and bias in bfloat16, running statistics
+    in float32 (as Flax keeps batch statistics), so a small momentum still moves
+    them: equal to the float64 running average of the same bfloat16 batches.
+    (PyTorch in bfloat16 stalls at 2.0 on this data.)"""
+    rng = np.random.default_rng(0)
+    m = 0.01
+    bn = es.nn.BatchNorm(1, momentum=m, dtype=jnp.bfloat16)
+    assert bn.weight.dtype == jnp.bfloat16 and bn.running_mean.dtype == jnp.float32
+    step = eqx.filter_jit(lambda bn, x: es.apply(lambda b, x: b(x), bn, x)[1])
+    want = 0.0
+    for _ in range(600):
+        x = jnp.asarray(rng.normal(3.0, 0.01, (64, 1)), jnp.bfloat16)
+        bn = step(bn, x)
+        want = (1 - m) * want + m * np.asarray(x, np.float64).mean()
+    np.testing.assert_allclose(float(bn.running_mean[...][0]), want, rtol=1e-4)

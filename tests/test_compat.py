@@ -52,15 +52,6 @@ def test_is_batched_sees_vmapped_values_only():
     assert _compat._BatchTracer is not None, "BatchTracer moved: update _compat.py"
 
 
-def test_with_weak_type_makes_weak_and_strong():
-    strong = jnp.asarray(1.0, jnp.float32)
-    assert not strong.weak_type
-    weak = _compat.with_weak_type(strong, jnp.float32, True)
-    assert weak.weak_type and weak.dtype == jnp.float32 and float(weak) == 1.0
-    assert not _compat.with_weak_type(weak, jnp.float32, False).weak_type
-    assert _compat._convert_element_type is not None
-
-
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

@@ -321,6 +321,34 @@ def test_identically_built_models_have_one_structure_and_one_compilation():
     assert step.trace_count == 1 and len(compiles) == 1
 
 
+@pytest.mark.parametrize(
+    "runner", ["eager", "apply", "make_apply", "filter_jit", "jax.jit", "make_step"]
+)
+def test_a_map_over_every_leaf_gives_one_clear_error(runner):
+    """`jax.tree.map(jnp.copy, model)` turns the layers' `inference` flags into
+    arrays: every runner raises the same TypeError naming the arrays-only copy
+    (Equinox's own flags are Python bools too). Value mode: `jnp.copy` refuses a
+    ref-mode model's refs itself."""
+    model = jax.tree.map(jnp.copy, es.nn.BatchNorm(3))
+    x = jnp.ones((4, 3))
+    fwd = lambda m, x: m(x)  # noqa: E731
+    runs = {
+        "eager": lambda m: fwd(m, x),
+        "apply": lambda m: es.apply(fwd, m, x),
+        "make_apply": lambda m: es.make_apply(fwd)(m, x),
+        "filter_jit": lambda m: eqx.filter_jit(es.apply)(fwd, m, x),
+        "jax.jit": lambda m: jax.jit(lambda d: es.apply(fwd, eqx.combine(d, st), x))(
+            eqx.filter(m, es.is_array)
+        ),
+        "make_step": lambda m: (lambda s: s(m, s.init(m), x))(
+            es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1))
+        ),
+    }
+    st = eqx.filter(model, es.is_array, inverse=True)
+    with pytest.raises(TypeError, match=r"inference` must be a Python bool.*is_array"):
+        runs[runner](model)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_deepcopy_gives_an_independent_model(mode):
     """A target network built with `copy.deepcopy` is its own model: drawing from the
@@ -407,22 +435,47 @@ def test_scan_over_layers_with_es_is_array_is_exact(mode, runner):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("runner", ["apply", "make_step", "eager"])
-def test_scan_over_layers_with_eqx_is_array_is_refused(mode, runner):
-    """`eqx.partition(stack, eqx.is_array)` leaves the refs in the static half:
-    every layer would write the whole stacked statistic. It raises, naming
-    `es.is_array`, and writes nothing."""
+def test_indexing_stacked_layers_names_the_scan_idiom(mode):
+    """`jax.tree.map(lambda a: a[i], stack)` reads a copy of every ref: a write
+    into it would be lost, and the error says to scan with `es.is_array`."""
+    stack = as_mode(
+        eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), mode
+    )
+
+    def unrolled(m, x):
+        for i in range(3):
+            layer = jax.tree.map(lambda a, i=i: a[i] if es.is_array(a) else a, m)
+            x = layer(x)
+        return x
+
+    with pytest.raises(es.StateWriteError, match=r"a\[i\].*lax\.scan.*es\.is_array"):
+        es.apply(unrolled, stack, jnp.ones((8, 4)))
+    assert stack.bn.num_batches_tracked[...].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "mode,runner",
+    [(m, r) for m in MODES for r in ("apply", "make_step")] + [("ref", "eager")],
+)
+@pytest.mark.parametrize(
+    "filter_",
+    [eqx.is_array, eqx.is_inexact_array],
+    ids=lambda f: f.__name__,
+)
+def test_scan_over_layers_with_equinox_filters_is_refused(mode, runner, filter_):
+    """`eqx.partition(stack, eqx.is_array)` (or `eqx.is_inexact_array`)
+    leaves the refs in the static half: every layer would write the whole stacked
+    statistic. It raises, naming `es.is_array`, and writes nothing. (An eager call
+    of a value-mode model refuses every write, scanned or not.)"""
     stack = as_mode(
         eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), mode
     )
     x = jnp.ones((8, 4))
-    fwd = lambda m, x: scan_layers(m, x, eqx.is_array)  # noqa: E731
+    fwd = lambda m, x: scan_layers(m, x, filter_)  # noqa: E731
     with pytest.raises(es.StateError, match=r"eqx\.partition\(model, es\.is_array\)"):
         if runner == "apply":
             es.apply(fwd, stack, x)
         elif runner == "eager":
-            if mode == "value":
-                raise es.StateError("eqx.partition(model, es.is_array)")  # n/a
             fwd(stack, x)
         else:
             step = es.make_step(lambda m, x: jnp.sum(fwd(m, x)), optax.sgd(0.1))
@@ -501,6 +554,9 @@ def test_failing_donating_step_consumes_the_model_as_documented():
         step(model, opt_state, jnp.ones((4, 3)))
     with pytest.raises(es.StaleModelError, match="donate=False"):
         eqx.nn.inference_mode(model).bn(jnp.ones((4, 2)))
+    # switching a consumed model to evaluation names the first consumed leaf
+    with pytest.raises(es.StaleModelError, match=r"`\.lin\.weight`.*donate=False"):
+        es.inference_mode(model)
 
 
 # ------------------------------------------------------- 8. extra arguments

@@ -446,3 +446,28 @@ def test_cells_are_power_iteration_state_without_reset_fill(getkey):
     cells = [c for c in jax.tree.leaves(sn, is_leaf=es.is_state) if es.is_state(c)]
     assert [type(c) for c in cells] == [es.PowerIterationState] * 2
     assert [c.init for c in cells] == [None, None]  # random: nothing to reset to
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose_matches_torch_grouped_too(mode, groups):
+    """PyTorch normalises a ConvTranspose's weight `[in, out/g, *k]` along dim 1, so
+    for `groups > 1` its matrix is `(out/g, in * k)`, not `(out, in/g * k)`. Both
+    sides power-iterated to convergence from their own starts: sigma equals the
+    top singular value of PyTorch's matrix (float64 NumPy), and so do the outputs."""
+    torch.manual_seed(0)
+    t = torch.nn.ConvTranspose2d(4, 6, 3, groups=groups)
+    layer = eqx.nn.ConvTranspose2d(4, 6, 3, groups=groups, key=jax.random.key(0))
+    layer = es.load_state_dict(layer, t.state_dict())
+    w = t.weight.detach().numpy().astype(np.float64)
+    top = np.linalg.svd(np.moveaxis(w, 1, 0).reshape(w.shape[1], -1))[1][0]
+    t = torch_spectral_norm(t, n_power_iterations=200)
+    sn = es.nn.SpectralNorm(layer, n_power_iterations=200, key=jax.random.key(1))
+    if mode == "ref":
+        sn = es.to_refs(sn)
+    x = np.random.default_rng(0).normal(size=(2, 4, 5, 5)).astype(np.float32)
+    y, sn = _call(mode, sn, jnp.asarray(x))
+    with torch.no_grad():
+        ty = t(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(float(sn.sigma), top, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), ty, rtol=1e-4, atol=1e-5)

@@ -658,3 +658,23 @@ def test_docstring_examples_run(obj, capsys):
             m = re.match(r"\s*print\(.*\)\s+# (.+)$", line)
             if m:
                 assert m.group(1).strip() in printed, (line, printed)
+
+
+def test_a_bfloat16_torch_batch_norm_loads_exactly():
+    """A bfloat16 PyTorch BatchNorm into `es.nn.BatchNorm(dtype=bfloat16)`, whose
+    running statistics are float32: widened exactly; narrowing is still refused."""
+    t = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
+    with torch.no_grad():
+        t.running_mean.copy_(torch.tensor([0.1, 0.2, 0.3]))
+        t.weight.copy_(torch.tensor([1.5, 2.5, 3.5]))
+    m = es.load_state_dict(es.nn.BatchNorm(3, dtype=jnp.bfloat16), t.state_dict())
+    assert m.running_mean.dtype == jnp.float32 and m.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(m.running_mean[...], t.running_mean.float().numpy())
+    np.testing.assert_array_equal(
+        np.asarray(m.weight, np.float32), t.weight.float().detach().numpy()
+    )
+    wide = {
+        k: v.double() if v.is_floating_point() else v for k, v in t.state_dict().items()
+    }
+    with pytest.raises(TypeError, match="Dtype mismatch for `weight`: .* float64"):
+        es.load_state_dict(es.nn.BatchNorm(3, dtype=jnp.bfloat16), wide)

@@ -189,3 +189,39 @@ def test_scan_carries_state_in_place():
         mem = step._scan.lower((model, opt_state), (xs, ys), {}).compile()
         temps.append(mem.memory_analysis().temp_size_in_bytes)
     assert temps[1] <= temps[0] * 1.1 + 4096, temps
+
+
+def test_scan_refuses_a_carry_whose_weak_type_changes():
+    """adam returns a weakly typed parameter (`jnp.asarray(1.3)`) strongly typed, so
+    K separate steps compute the second step differently from the first (checked
+    here against an `eqx.filter_jit` loop); one scan carries one type, so it raises,
+    naming the leaf and the fix, and the fixed model scans like K steps."""
+
+    class Scale(eqx.Module):
+        a: jax.Array
+
+        def __call__(self, x):
+            return self.a * x
+
+    def loss(m, x):
+        return jnp.mean((m(x).astype(jnp.float32) - 1.0) ** 2)
+
+    xs = jnp.stack([(jnp.arange(1, 9.0) / 7).astype(jnp.bfloat16)] * 3)
+    opt = optax.adam(0.1)
+    step = es.make_step(loss, opt)
+    weak = Scale(jnp.asarray(1.3))
+    with pytest.raises(es.StepError, match=r"\.a.*weakly typed.*jnp.float32"):
+        step.scan(weak, step.init(weak), xs)
+
+    @eqx.filter_jit
+    def ref_step(m, s, x):
+        g = eqx.filter_grad(loss)(m, x)
+        u, s = opt.update(g, s, m)
+        return eqx.apply_updates(m, u), s
+
+    model = Scale(jnp.asarray(1.3, jnp.float32))
+    ref, ref_s = model, opt.init(model)
+    for x in xs:
+        ref, ref_s = ref_step(ref, ref_s, x)
+    got, _ = step.scan(model, step.init(model), xs)
+    np.testing.assert_allclose(float(got.a), float(ref.a), rtol=1e-6)

@@ -10,6 +10,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat
 from ._axis import axis_size
+from ._flag import inference_flag
 
 
 class BatchNorm(eqx.Module):
@@ -49,7 +50,11 @@ class BatchNorm(eqx.Module):
     where `m` is `True` only (Flax's `mask`): padded examples contribute nothing,
     and the statistics equal those of the unpadded batch. Every entry of `x` is
     normalised with them. A channel with no unmasked entry keeps its running
-    statistics (`num_batches_tracked` still counts the call).
+    statistics (`num_batches_tracked` still counts the call), as PyTorch does on an
+    empty batch; one with a single unmasked entry updates its running mean and
+    keeps its running variance (the unbiased variance of one value is undefined;
+    with `unbiased_running_var=False` the biased variance 0 is folded in, as Flax
+    does). Unmasked, a batch of one value per channel is refused, as in PyTorch.
 
     **Arguments:**
 
@@ -73,7 +78,9 @@ class BatchNorm(eqx.Module):
     - `unbiased_running_var`: keep the unbiased batch variance in `running_var`
         (PyTorch, the default), or the biased one (Flax, Haiku, Equinox).
     - `inference`: start in evaluation mode.
-    - `dtype`: the dtype of parameters and statistics (default float32).
+    - `dtype`: the dtype of `weight` and `bias` (default float32). The running
+        statistics are kept in `dtype` promoted to at least float32: in bfloat16 a
+        running average stalls once its updates fall below half an ulp.
 
     **Example:**
 
@@ -149,8 +156,12 @@ class BatchNorm(eqx.Module):
         else:
             self.weight = self.bias = None
         if track_running_stats:
-            self.running_mean = BatchStat(jnp.zeros(num_features, dtype), init=0)
-            self.running_var = BatchStat(jnp.ones(num_features, dtype), init=1)
+            # Narrow dtypes (bfloat16, float16) would lose every update below half
+            # an ulp of the running average: the statistics are kept in float32
+            # (as Flax keeps its batch statistics), as EMA keeps its average.
+            sdtype = jnp.promote_types(dtype, jnp.float32)
+            self.running_mean = BatchStat(jnp.zeros(num_features, sdtype), init=0)
+            self.running_var = BatchStat(jnp.ones(num_features, sdtype), init=1)
             self.num_batches_tracked = BatchStat(jnp.zeros((), jnp.int32), init=0)
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
@@ -193,7 +204,7 @@ class BatchNorm(eqx.Module):
                 "channels on that axis. For inputs laid out [N, C, ...] use "
                 "channel_axis=1 (PyTorch's layout); for channels-last, channel_axis=-1."
             )
-        if x.ndim == 1 and self.axis_name is None and not self.inference:
+        if x.ndim == 1 and self.axis_name is None and not inference_flag(self):
             raise ValueError(
                 f"BatchNorm got a single example of shape {x.shape} in training mode: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
@@ -269,27 +280,23 @@ class BatchNorm(eqx.Module):
         shape[axis] = self.num_features
         cdtype = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
         xc = x.astype(cdtype)
-        use_batch = not self.inference or not self.track_running_stats
+        use_batch = not inference_flag(self) or not self.track_running_stats
         if use_batch:
             m = None if mask is None else self._mask(mask, x)
             mean, var, n = self._batch_stats(xc, red, shape, m)
-            if (
-                m is None
-                and isinstance(n, int)
-                and n == 1
-                and self.axis_name is None
-                and not self.inference
-            ):
-                raise ValueError(
-                    f"BatchNorm got one value per channel (input shape {x.shape}) in "
-                    "training mode: the batch variance is 0, so the running variance "
-                    "would shrink towards 0 (PyTorch raises here too). Train with "
-                    "batches of more than one example, or evaluate with "
-                    "`eqx.nn.inference_mode(model)`."
+            if isinstance(n, int) and n == 1 and not inference_flag(self):
+                where = (
+                    "" if self.axis_name is None else f" over axis {self.axis_name!r}"
                 )
-            if not self.inference and self.track_running_stats:
-                counted = None if m is None else jnp.asarray(n) > 0
-                self._update(mean, var, n, counted=counted)
+                raise ValueError(
+                    f"BatchNorm got one value per channel{where} (input shape "
+                    f"{x.shape}) in training mode: the batch variance is 0, so the "
+                    "running variance would shrink towards 0 (PyTorch raises here "
+                    "too). Train with batches of more than one example, or evaluate "
+                    "with `eqx.nn.inference_mode(model)`."
+                )
+            if not inference_flag(self) and self.track_running_stats:
+                self._update(mean, var, n)
         else:
             mean, var = self._running_stats(cdtype)
         y = (xc - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.eps)
@@ -311,7 +318,7 @@ class BatchNorm(eqx.Module):
             mean, var = mean / scale, var / scale
         return mean, var
 
-    def _update(self, mean: Array, var: Array, n, counted: Array | None) -> None:
+    def _update(self, mean: Array, var: Array, n: Array | int) -> None:
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         count = self.num_batches_tracked[...] + 1
@@ -320,14 +327,19 @@ class BatchNorm(eqx.Module):
             m = 1.0 / count.astype(mean.dtype)
         else:
             m = jnp.asarray(self.momentum, mean.dtype)
+        rm, rv = self.running_mean, self.running_var
+        old_mean, old_var = rm[...].astype(mean.dtype), rv[...].astype(var.dtype)
+        new_mean = (1 - m) * old_mean + m * mean
         if self.unbiased_running_var:
             nf = jnp.asarray(n, var.dtype)
             var = var * (nf / jnp.maximum(nf - 1, 1))
-        rm, rv = self.running_mean, self.running_var
-        new_mean = (1 - m) * rm[...] + m * mean
-        new_var = (1 - m) * rv[...] + m * var
-        if counted is not None:  # channels with no unmasked entry keep theirs
-            new_mean = jnp.where(counted, new_mean, rm[...])
-            new_var = jnp.where(counted, new_var, rv[...])
+        new_var = (1 - m) * old_var + m * var
+        # A channel with no entry (an empty batch, or all masked out) keeps its
+        # statistics, as PyTorch on an empty batch; one with a single masked-in
+        # entry has no unbiased variance: it keeps its running variance.
+        n = jnp.asarray(n)
+        new_mean = jnp.where(n > 0, new_mean, old_mean)
+        var_defined = n > (1 if self.unbiased_running_var else 0)
+        new_var = jnp.where(var_defined, new_var, old_var)
         rm[...] = new_mean.astype(rm.dtype)
         rv[...] = new_var.astype(rv.dtype)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._buffer import CounterState
+from ._flag import inference_flag
 
 
 class Counter(eqx.Module):
@@ -51,7 +52,7 @@ class Counter(eqx.Module):
                 f"{step.dtype}; a counter counts whole steps (use a metric, e.g. "
                 "`es.metrics.Sum`, to accumulate fractional values)."
             )
-        if self.inference:
+        if inference_flag(self):
             return self.count[...]
         new = self.count[...] + step.astype(self.count.dtype)
         self.count[...] = new

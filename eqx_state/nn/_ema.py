@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from .._buffer import AverageState, _is_param, is_state, params
+from ._flag import inference_flag
 
 
 _Model = TypeVar("_Model")
@@ -244,7 +245,7 @@ class EMA(eqx.Module):
         Nothing; the cells are written.
         """
         leaves = self._leaves(model, "update")
-        if self.inference:
+        if inference_flag(self):
             return
         count = self.count[...] + 1
         self.count[...] = count

@@ -20,6 +20,7 @@ from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
 from ..metrics._extrema import Max, Min
 from ..metrics._mean import Mean
 from ..metrics._mean_std import MeanStd
+from ._flag import inference_flag
 
 
 def _rekind(cell: Any, cls: type, **fields: Any) -> Any:
@@ -368,7 +369,7 @@ class Record(Recorder):
         `x`.
         """
         del key
-        if self.inference:
+        if inference_flag(self):
             return x
         cells = _cells(self.metrics)
         if not all(_is_ref(c.value) for c in cells):
@@ -601,7 +602,7 @@ class Capture(Recorder):
         `x`.
         """
         del key
-        if self.inference:
+        if inference_flag(self):
             return x
         if not (_is_ref(self.value.value) and _is_ref(self.count.value)):
             raise _not_writable(f"Capture{self.shape}")

@@ -11,6 +11,7 @@ from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 from .._buffer import RngState
 from .._errors import StateWriteError
 from .._vmap import mapped_axes
+from ._flag import inference_flag
 
 
 KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
@@ -283,7 +284,7 @@ class Dropout(eqx.Module):
         An array of the shape and dtype of `x`.
         """
         if inference is None:
-            inference = self.inference
+            inference = inference_flag(self)
         if inference or self.p == 0.0:
             return x
         if self.p == 1.0:

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Real
 
 from .._buffer import BatchStat
 from ._axis import axis_size
+from ._flag import inference_flag
 
 
 _COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
@@ -155,7 +156,7 @@ class RunningNorm(eqx.Module):
             cdtype = sdtype
         xc = x.astype(cdtype)
         n = math.prod(x.shape[:nb])
-        if not self.inference and n > 0:
+        if not inference_flag(self) and n > 0:
             self._update(xc, nb, n)
         expand = (1,) * nb + self.shape
         mean = self.mean[...].astype(cdtype).reshape(expand)

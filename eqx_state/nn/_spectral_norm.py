@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._buffer import PowerIterationState
+from ._flag import inference_flag
 
 
 _Layer = TypeVar("_Layer")
@@ -81,7 +82,10 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     - `eps`: the floor of the norms in `normalize`.
     - `dim`: the axis of the weight that indexes the outputs. Equinox keeps the
         output axis first for every layer (`ConvTranspose` included), so the
-        default 0 is PyTorch's default for each of them.
+        default 0 is PyTorch's default for each of them. For a grouped
+        `ConvTranspose` (`groups > 1`) the default builds PyTorch's matrix,
+        `(out / groups, in * prod(kernel))`: PyTorch's weight is laid out
+        `[in, out / groups, *kernel]` and normalised along its axis 1.
     - `input_ndim`: the rank of one input of `layer`; see above. Needed for layers
         other than `eqx.nn.Linear` / `Conv` / `ConvTranspose`.
     - `inference`: start in evaluation mode.
@@ -110,6 +114,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     n_power_iterations: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     dim: int = eqx.field(static=True)
+    transpose_groups: int = eqx.field(static=True)
     inference: bool
 
     def __init__(
@@ -166,12 +171,22 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         self.n_power_iterations = n_power_iterations
         self.eps = eps
         self.dim = dim % weight.ndim
+        grouped = isinstance(layer, eqx.nn.ConvTranspose) and self.dim == 0
+        self.transpose_groups = int(getattr(layer, "groups", 1)) if grouped else 1
         self.inference = inference
         u, v = _initial_uv(self._matrix(weight), key, eps)
         self.u = PowerIterationState(u)
         self.v = PowerIterationState(v)
 
     def _matrix(self, weight: Array) -> Array:
+        g = self.transpose_groups
+        if g > 1:
+            # PyTorch keeps a grouped ConvTranspose's weight as [in, out/g, *k] and
+            # normalises it along dim 1: W_mat is (out/g, in * k), the groups side
+            # by side. Equinox's [out, in/g, *k] holds the same numbers by group.
+            out, in_g = weight.shape[:2]
+            w = weight.reshape(g, out // g, in_g, *weight.shape[2:])
+            return jnp.moveaxis(w, 1, 0).reshape(out // g, -1)
         w = jnp.moveaxis(weight, self.dim, 0)
         return w.reshape(w.shape[0], -1)
 
@@ -235,7 +250,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         weight = self.weight
         mat = self._matrix(weight)
         u, v = self.u[...], self.v[...]
-        if not self.inference:
+        if not inference_flag(self):
             u, v = _power_method(
                 jax.lax.stop_gradient(mat), u, v, self.n_power_iterations, self.eps
             )

@@ -1,0 +1,30 @@
+"""The `inference` flag of the layers: a Python bool, as in Equinox's layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def inference_flag(layer: Any) -> bool:
+    """`layer.inference` as a Python bool, or a `TypeError` that names the fix.
+
+    The flag decides which program a layer traces (train or eval), so it must be a
+    Python value; an array flag, traced or not, is refused the same way by eager
+    calls, `es.apply`, steps and `jax.jit`. The usual cause is a map over every
+    leaf of the model (`jax.tree.map(jnp.copy, model)`), which turns `True` /
+    `False` into arrays."""
+    value = layer.inference
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    kind = getattr(value, "dtype", type(value).__name__)
+    raise TypeError(
+        f"`{type(layer).__name__}.inference` must be a Python bool, got "
+        f"{type(value).__name__} ({kind}{getattr(value, 'shape', '')}). A map over "
+        "every leaf of the model, such as `jax.tree.map(jnp.copy, model)`, turns "
+        "the layers' bool flags into arrays; map over the arrays only: "
+        "`jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)`. "
+        "Switch modes with `eqx.nn.inference_mode(model, value)` or "
+        "`es.inference_mode`."
+    )
