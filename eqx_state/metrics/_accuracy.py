@@ -9,7 +9,15 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Integer, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import FloatScalar, Metric, _div, _weights, statistic
+from ._base import (
+    FloatScalar,
+    Metric,
+    _check_dtype,
+    _check_inputs,
+    _div,
+    _weights,
+    statistic,
+)
 from ._labels import _check_threshold, _predictions, _split_inputs, _valid_labels
 
 
@@ -47,7 +55,10 @@ class Accuracy(Metric):
         class indices (logits always give the number of classes).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the statistics (default float32).
+    - `dtype`: the dtype of the statistics (default float32: exact up to 2**24
+        examples), or a signed integer dtype (e.g. `jnp.int32`) to count examples
+        exactly; then `sample_weight` must be integers (a float weight raises a
+        `TypeError` at `update` rather than being truncated).
 
     **Example:**
 
@@ -80,6 +91,7 @@ class Accuracy(Metric):
     ):
         if top_k < 1:
             raise ValueError(f"Accuracy: top_k must be >= 1, got {top_k}.")
+        dtype = _check_dtype("Accuracy", dtype, "counts")
         self.correct = statistic("sum", dtype=dtype)
         self.total = statistic("sum", dtype=dtype)
         self.top_k = top_k
@@ -108,6 +120,7 @@ class Accuracy(Metric):
             nothing. (Unmasked examples whose label is not a class index, e.g. a
             padding label of -1, count as wrong: mask them.)
         """
+        _check_inputs("Accuracy", self.total.dtype, sample_weight=sample_weight)
         logits, preds, labels = _split_inputs(
             "Accuracy", logits_or_preds, labels, self.num_classes, self.threshold
         )

@@ -195,6 +195,82 @@ def _weights(like: Array, mask: Any, sample_weight: Any, dtype: Any) -> Array:
     return w
 
 
+# The dtypes a metric's statistics may have. "floating": statistics that can be
+# fractional whatever the data (a mean, a standard deviation). "counts": sums of
+# (weighted) examples or values; a signed integer counts whole numbers exactly
+# (beyond float32's 2**24) and refuses fractional inputs at update. "values": a
+# value kept as it is (min, max, last): any real dtype.
+_DTYPE_KINDS = {
+    "floating": "a floating dtype (jnp.float32, jnp.float64 with x64, jnp.bfloat16, "
+    "jnp.float16)",
+    "counts": "a floating dtype (jnp.float32, jnp.float64 with x64, jnp.bfloat16, "
+    "jnp.float16) or, to count whole numbers exactly, a signed integer dtype "
+    "(jnp.int32, jnp.int64 with x64)",
+    "values": "a floating or integer dtype",
+}
+
+
+def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
+    """`dtype` if a metric of this `kind` (a key of `_DTYPE_KINDS`) may keep its
+    statistics in it, else a ValueError that says which dtypes are accepted."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is not None:
+        if jnp.issubdtype(d, jnp.floating):
+            return dtype
+        if kind == "counts" and jnp.issubdtype(d, jnp.signedinteger):
+            return dtype
+        if kind == "values" and jnp.issubdtype(d, jnp.integer):
+            return dtype
+    why = {
+        "floating": " Its statistics are fractional whatever the data (an integer "
+        "dtype would truncate them).",
+        "counts": " Weighted counts and sums need a dtype that holds them without "
+        "wrapping or truncating.",
+        "values": "",
+    }[kind]
+    raise ValueError(
+        f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {dtype!r}.{why} The "
+        "default, jnp.float32, fits most uses."
+    )
+
+
+def _kind(dtype: Any) -> int:
+    """bool 0 < integer 1 < floating 2 < complex (and anything else) 3."""
+    d = jnp.dtype(dtype)
+    if d == jnp.bool_:
+        return 0
+    if jnp.issubdtype(d, jnp.integer):
+        return 1
+    return 2 if jnp.issubdtype(d, jnp.floating) else 3
+
+
+def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
+    """Refuse an input that the metric's statistics (of `dtype`) would truncate: a
+    float (or a weight of 0.5) added into integer counts, a complex number into a
+    float. The rule of a state write ([`eqx_state.Buffer`][]): never down the ladder
+    bool < integer < floating < complex. Static (dtypes only): no runtime cost."""
+    for name, x in inputs.items():
+        if x is None:
+            continue
+        src = jnp.asarray(x).dtype
+        if _kind(src) > _kind(dtype):
+            example = (
+                "a weight of 0.5 would count as 0"
+                if name == "sample_weight"
+                else "2.5 would become 2"
+            )
+            raise TypeError(
+                f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` has dtype "
+                f"{src.name}, which statistics of dtype {jnp.dtype(dtype).name} "
+                f"would truncate ({example}). Build the metric with a floating dtype "
+                "(dtype=jnp.float32, the default) to accumulate fractional data, or "
+                f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
+            )
+
+
 _NAN_STRATEGIES = ("propagate", "ignore", "error")
 
 

@@ -16,8 +16,12 @@ from ._base import (
     ConfusionArray,
     Metric,
     Scores,
+    _check_dtype,
+    _check_inputs,
     _div,
+    _fit,
     _replicated,
+    _truthy,
     _weights,
     statistic,
 )
@@ -85,6 +89,7 @@ class _ConfusionMetric(Metric):
         self.top_k = top_k
         self.threshold = _check_threshold(name, threshold)
         self.multilabel = multilabel
+        dtype = _check_dtype(name, dtype, "counts")
         shape = (num_classes, 2, 2) if multilabel else (num_classes, num_classes)
         self.matrix = statistic("sum", shape=shape, dtype=dtype)
         self.axis_name = axis_name
@@ -114,8 +119,12 @@ class _ConfusionMetric(Metric):
         - `mask`: which examples count; masked-out (padding) examples contribute
             nothing. Labels (and predicted labels) outside `[0, num_classes)` — or,
             multi-label, other than 0 and 1 — e.g. a padding label of -1, are
-            dropped too.
+            dropped too. (A sample weight of 0 is not a mask: the example adds
+            nothing to the counts, but its classes count as seen; see `"macro"`.)
         """
+        _check_inputs(
+            type(self).__name__, self.matrix.dtype, sample_weight=sample_weight
+        )
         if self.multilabel:
             self._update_multilabel(logits_or_preds, labels, sample_weight, mask)
             return
@@ -140,12 +149,26 @@ class _ConfusionMetric(Metric):
             )
         assert preds is not None
         w = _weights(labels, mask, sample_weight, self.matrix.dtype)
-        valid = (labels >= 0) & (labels < c) & (preds >= 0) & (preds < c) & (w != 0)
+        # an example counts when it is not masked out and both its label and its
+        # prediction are class indices; its weight (0 included) is what it adds
+        valid = (labels >= 0) & (labels < c) & (preds >= 0) & (preds < c)
+        if mask is not None:
+            valid = valid & _fit("mask", _truthy(mask), labels.shape)
+        zero = jnp.zeros_like(w)
         # out-of-range flat index: dropped by the scatter
         flat = jnp.where(valid, labels * c + preds, c * c).reshape(-1)
         counts = jnp.zeros((c * c,), self.matrix.dtype)
-        counts = counts.at[flat].add(w.reshape(-1), mode="drop", **_replicated(flat))
-        self.accumulate(matrix=counts.reshape(c, c))
+        counts = counts.at[flat].add(
+            jnp.where(valid, w, zero).reshape(-1), mode="drop", **_replicated(flat)
+        )
+        # the classes seen, whatever their weight (sklearn's labels=None: the
+        # union of the labels and the predictions)
+        seen = jnp.zeros((c,), jnp.int32)
+        for index in (labels, preds):
+            index = jnp.where(valid, index, c).reshape(-1)
+            ones = jnp.ones(index.shape, jnp.int32)
+            seen = seen.at[index].add(ones, mode="drop", **_replicated(index))
+        self._accumulate(counts.reshape(c, c), seen > 0)
 
     def _update_multilabel(self, x, labels, sample_weight, mask) -> None:
         name = type(self).__name__
@@ -170,7 +193,17 @@ class _ConfusionMetric(Metric):
         p = jnp.stack([preds == 0, preds == 1], -1).astype(dtype)
         batch_axes = "".join(chr(ord("a") + i) for i in range(y.ndim - 1))
         spec = f"{batch_axes}l,{batch_axes}lt,{batch_axes}lp->ltp"
-        self.accumulate(matrix=jnp.einsum(spec, w, t, p))
+        # every label is scored (sklearn's macro average over all the columns):
+        # `seen` is not used, but it says which labels had a counted entry
+        counted = ok if mask is None else ok & _fit("mask", _truthy(mask), y.shape)
+        seen = jnp.any(counted.reshape(-1, self.num_classes), axis=0)
+        self._accumulate(jnp.einsum(spec, w, t, p), seen)
+
+    def _accumulate(self, matrix: Array, seen: Array) -> None:
+        """Merge a batch's confusion matrix (and, for the averaged metrics, the
+        classes it has seen) into the statistics."""
+        del seen
+        self.accumulate(matrix=matrix)
 
     def _counts(self) -> tuple[Array, Array, Array]:
         """Per class (label): true positives, false positives, false negatives."""
@@ -200,7 +233,10 @@ class ConfusionMatrix(_ConfusionMetric):
         `[*batch, num_classes]`.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the counts (default float32: exact up to 2**24).
+    - `dtype`: the dtype of the counts (default float32: exact up to 2**24), or a
+        signed integer dtype (e.g. `jnp.int32`) to count exactly; then
+        `sample_weight` must be integers (a float weight raises a `TypeError` at
+        `update` rather than being truncated).
 
     **Example:**
 
@@ -256,6 +292,7 @@ class ConfusionMatrix(_ConfusionMetric):
 
 
 class _AveragedMetric(_ConfusionMetric):
+    seen: MetricState
     average: str | None = eqx.field(static=True)
     pos_label: int = eqx.field(static=True)
     zero_division: float | str = eqx.field(static=True)
@@ -300,9 +337,15 @@ class _AveragedMetric(_ConfusionMetric):
             axis_name=axis_name,
             dtype=dtype,
         )
+        # which classes occurred in the labels or predictions of an example given
+        # to `update` (masked-out ones and padding labels aside), whatever its weight
+        self.seen = statistic("max", shape=(num_classes,), dtype=jnp.bool_)
         self.average = average
         self.pos_label = pos_label
         self.zero_division = _check_zero_division(name, zero_division)
+
+    def _accumulate(self, matrix: Array, seen: Array) -> None:
+        self.accumulate(matrix=matrix, seen=seen)
 
     def _score(self, tp: Array, fp: Array, fn: Array, zd: float) -> Array:
         raise NotImplementedError
@@ -322,7 +365,7 @@ class _AveragedMetric(_ConfusionMetric):
         if self.multilabel:
             present = jnp.ones(per_class.shape, bool)
         else:  # sklearn's labels=None: the classes seen in the labels or predictions
-            present = (tp + fp + fn) != 0
+            present = self.seen[...]
         counted = present & ~jnp.isnan(per_class)  # NaN: zero_division=nan
         zero = jnp.zeros_like(per_class)
         scores = jnp.where(counted, per_class, zero)
@@ -330,7 +373,7 @@ class _AveragedMetric(_ConfusionMetric):
         mean = _div(jnp.sum(scores), n, zd)
         if self.average == "macro":
             return mean
-        support = jnp.where(counted, tp + fn, zero)
+        support = jnp.where(counted, (tp + fn).astype(zero.dtype), zero)
         total = jnp.sum(support)
         # weights all zero: sklearn falls back to the unweighted mean
         return jnp.where(total != 0, _div(jnp.sum(scores * support), total, zd), mean)
@@ -340,8 +383,9 @@ class Precision(_AveragedMetric):
     """Precision, `tp / (tp + fp)`: of the examples predicted as a class, the
     fraction that belong to it.
 
-    The statistic is the confusion matrix (one 2x2 matrix per label for
-    multi-label input); `compute()` derives the score from it, so merging and
+    The statistics are the confusion matrix `matrix` (one 2x2 matrix per label for
+    multi-label input) and `seen`, which classes have occurred (for the macro
+    average); `compute()` derives the score from them, so merging and
     cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
@@ -351,7 +395,10 @@ class Precision(_AveragedMetric):
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
         `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
-        multi-label input;
+        multi-label input. A class occurs when it is the label or the prediction of
+        an example given to `update`, whatever that example's sample weight (0
+        included, as sklearn); examples left out by `mask=`, and padding labels,
+        do not count;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
@@ -376,7 +423,10 @@ class Precision(_AveragedMetric):
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the confusion matrix (default float32).
+    - `dtype`: the dtype of the confusion matrix (default float32: exact up to
+        2**24 examples), or a signed integer dtype (e.g. `jnp.int32`) to count
+        exactly; then `sample_weight` must be integers (a float weight raises a
+        `TypeError` at `update` rather than being truncated).
 
     **Example:**
 
@@ -398,8 +448,9 @@ class Recall(_AveragedMetric):
     """Recall, `tp / (tp + fn)`: of the examples of a class, the fraction
     predicted as it.
 
-    The statistic is the confusion matrix (one 2x2 matrix per label for
-    multi-label input); `compute()` derives the score from it, so merging and
+    The statistics are the confusion matrix `matrix` (one 2x2 matrix per label for
+    multi-label input) and `seen`, which classes have occurred (for the macro
+    average); `compute()` derives the score from them, so merging and
     cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
@@ -409,7 +460,10 @@ class Recall(_AveragedMetric):
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
         `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
-        multi-label input;
+        multi-label input. A class occurs when it is the label or the prediction of
+        an example given to `update`, whatever that example's sample weight (0
+        included, as sklearn); examples left out by `mask=`, and padding labels,
+        do not count;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
@@ -434,7 +488,10 @@ class Recall(_AveragedMetric):
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the confusion matrix (default float32).
+    - `dtype`: the dtype of the confusion matrix (default float32: exact up to
+        2**24 examples), or a signed integer dtype (e.g. `jnp.int32`) to count
+        exactly; then `sample_weight` must be integers (a float weight raises a
+        `TypeError` at `update` rather than being truncated).
 
     **Example:**
 
@@ -457,8 +514,9 @@ class F1(_AveragedMetric):
     recall. The macro average is the mean of per-class F1 scores, as in sklearn
     (not the F1 of the macro precision and recall).
 
-    The statistic is the confusion matrix (one 2x2 matrix per label for
-    multi-label input); `compute()` derives the score from it, so merging and
+    The statistics are the confusion matrix `matrix` (one 2x2 matrix per label for
+    multi-label input) and `seen`, which classes have occurred (for the macro
+    average); `compute()` derives the score from them, so merging and
     cross-device reduction are exact. Averages, as in sklearn's
     `precision_recall_fscore_support`:
 
@@ -468,7 +526,10 @@ class F1(_AveragedMetric):
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
         `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
-        multi-label input;
+        multi-label input. A class occurs when it is the label or the prediction of
+        an example given to `update`, whatever that example's sample weight (0
+        included, as sklearn); examples left out by `mask=`, and padding labels,
+        do not count;
     - `"weighted"`: the per-class scores weighted by support (true count);
     - `None`: one score per class, shape `[num_classes]`.
 
@@ -493,7 +554,10 @@ class F1(_AveragedMetric):
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the confusion matrix (default float32).
+    - `dtype`: the dtype of the confusion matrix (default float32: exact up to
+        2**24 examples), or a signed integer dtype (e.g. `jnp.int32`) to count
+        exactly; then `sample_weight` must be integers (a float weight raises a
+        `TypeError` at `update` rather than being truncated).
 
     **Example:**
 

@@ -13,6 +13,8 @@ from .._buffer import MetricState
 from ._base import (
     Metric,
     RealScalar,
+    _check_dtype,
+    _check_inputs,
     _check_nan_strategy,
     _default_init,
     _nan_policy,
@@ -35,6 +37,7 @@ class _Extremum(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
+        dtype = _check_dtype(type(self).__name__, dtype, "values")
         self.value = statistic(self._reduction, dtype=dtype)
         self.count = statistic("sum", dtype=jnp.float32)
         self.nan_strategy = _check_nan_strategy(type(self).__name__, nan_strategy)
@@ -55,6 +58,7 @@ class _Extremum(Metric):
             it); masked-out values are ignored, even if they are NaN.
         """
         dtype = self.value.dtype
+        _check_inputs(type(self).__name__, dtype, values=values)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, None, jnp.float32)
         values, w = _nan_policy(type(self).__name__, self.nan_strategy, values, w)
@@ -86,7 +90,9 @@ class Min(_Extremum):
         [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the minimum (default float32).
+    - `dtype`: the dtype of the minimum (default float32); an integer dtype takes
+        integer values only: a float raises a `TypeError` at `update`
+        rather than being truncated.
 
     **Example:**
 
@@ -117,7 +123,9 @@ class Max(_Extremum):
         [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the maximum (default float32).
+    - `dtype`: the dtype of the maximum (default float32); an integer dtype takes
+        integer values only: a float raises a `TypeError` at `update`
+        rather than being truncated.
 
     **Example:**
 

@@ -9,7 +9,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from ._base import Metric, _fit, _iota_like, _truthy, statistic
+from ._base import (
+    Metric,
+    _check_dtype,
+    _check_inputs,
+    _fit,
+    _iota_like,
+    _truthy,
+    statistic,
+)
 
 
 class LastValue(Metric):
@@ -28,7 +36,9 @@ class LastValue(Metric):
     - `shape`: the shape of one value (default `()`, a scalar).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the value (default float32).
+    - `dtype`: the dtype of the value (default float32); an integer dtype
+        takes integer values only: a float raises a `TypeError` at
+        `update` rather than being truncated.
 
     **Example:**
 
@@ -54,6 +64,7 @@ class LastValue(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
+        dtype = _check_dtype("LastValue", dtype, "values")
         self.shape = tuple(shape)
         self.value = statistic("custom", shape=self.shape, dtype=dtype, init=0)
         self.count = statistic("sum", dtype=jnp.float32)
@@ -75,6 +86,7 @@ class LastValue(Metric):
             batch.
         """
         dtype = self.value.dtype
+        _check_inputs("LastValue", dtype, value=value)
         value = jnp.asarray(value).astype(dtype)
         if value.shape == self.shape:
             value = value[None]

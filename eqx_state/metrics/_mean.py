@@ -13,6 +13,8 @@ from ._base import (
     FloatScalar,
     Metric,
     RealScalar,
+    _check_dtype,
+    _check_inputs,
     _check_nan_strategy,
     _div,
     _nan_policy,
@@ -39,8 +41,9 @@ class Mean(Metric):
         [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the statistics (default float32: counts are exact up to
-        2**24 examples; pass `jnp.float64` with x64 enabled for more).
+    - `dtype`: the dtype of the statistics, floating (default float32: counts are
+        exact up to 2**24 examples; pass `jnp.float64` with x64 enabled for more).
+        An integer dtype is refused: a mean is fractional.
 
     **Example:**
 
@@ -66,6 +69,7 @@ class Mean(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
+        dtype = _check_dtype("Mean", dtype, "floating")
         self.total = statistic("sum", dtype=dtype)
         self.weight = statistic("sum", dtype=dtype)
         self.nan_strategy = _check_nan_strategy("Mean", nan_strategy)
@@ -90,6 +94,7 @@ class Mean(Metric):
             values contribute nothing, even if they are NaN.
         """
         dtype = self.total.dtype
+        _check_inputs("Mean", dtype, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
         values, w = _nan_policy("Mean", self.nan_strategy, values, w)
@@ -115,7 +120,10 @@ class Sum(Metric):
         [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the sum (default float32).
+    - `dtype`: the dtype of the sum (default float32), or a signed integer dtype
+        (e.g. `jnp.int32`) to sum whole numbers exactly; then `values` and
+        `sample_weight` must be integers (a float raises a `TypeError` at `update`
+        rather than being truncated), and the sum wraps past the dtype's maximum.
 
     **Example:**
 
@@ -140,6 +148,7 @@ class Sum(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
+        dtype = _check_dtype("Sum", dtype, "counts")
         self.total = statistic("sum", dtype=dtype)
         self.nan_strategy = _check_nan_strategy("Sum", nan_strategy)
         self.axis_name = axis_name
@@ -161,6 +170,7 @@ class Sum(Metric):
         - `mask`: which values count; masked-out values contribute nothing.
         """
         dtype = self.total.dtype
+        _check_inputs("Sum", dtype, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
         values, w = _nan_policy("Sum", self.nan_strategy, values, w)

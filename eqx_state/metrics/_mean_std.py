@@ -13,6 +13,8 @@ from .._buffer import MetricState
 from ._base import (
     FloatScalar,
     Metric,
+    _check_dtype,
+    _check_inputs,
     _check_nan_strategy,
     _div,
     _nan_policy,
@@ -50,7 +52,8 @@ class MeanStd(Metric):
         [misuse](../misuse.md#nan-and-inf-in-a-batch) for when it raises).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the statistics (default float32).
+    - `dtype`: the dtype of the statistics, floating (default float32; an integer
+        dtype is refused: a mean and a variance are fractional).
 
     **Example:**
 
@@ -82,6 +85,7 @@ class MeanStd(Metric):
     ):
         if ddof < 0:
             raise ValueError(f"MeanStd: ddof must be >= 0, got {ddof}.")
+        dtype = _check_dtype("MeanStd", dtype, "floating")
         self.count = statistic("custom", dtype=dtype, init=0)
         self.mean = statistic("custom", dtype=dtype, init=0)
         self.m2 = statistic("custom", dtype=dtype, init=0)
@@ -107,6 +111,7 @@ class MeanStd(Metric):
             they are NaN.
         """
         dtype = self.count.dtype
+        _check_inputs("MeanStd", dtype, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
         if sample_weight is not None:

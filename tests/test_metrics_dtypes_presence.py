@@ -1,0 +1,259 @@
+"""Two rules against scikit-learn and numpy, in both storage modes.
+
+* The dtype of a metric's statistics: a floating dtype everywhere; a signed integer
+  dtype only where whole numbers are counted or summed (Sum, Accuracy, the
+  confusion-matrix metrics, Histogram) or kept (Min, Max, LastValue), and then an
+  input the statistics would truncate (a weight of 0.5, a value of 2.5) raises at
+  `update` instead of being truncated; a mean is never integer.
+* The macro average of Precision / Recall / F1 is over the classes seen in the
+  labels or predictions (scikit-learn's `labels=None`), whatever the examples'
+  sample weights, 0 included: a weight of 0 is not a mask, `mask=` and padding
+  labels are. The "seen" statistic merges (two halves = one pass) and resets."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import sklearn.metrics as skm
+
+import eqx_state as es
+from eqx_state import metrics as esm
+
+
+MODES = ["value", "ref"]
+
+
+@eqx.filter_jit
+def _apply_update(metric, args, kwargs):
+    return es.apply(lambda m: m.update(*args, **kwargs), metric)[1]
+
+
+def run(metric, mode, *args, **kwargs):
+    """One update: in value mode through a jitted `es.apply`, in ref mode eagerly."""
+    args = tuple(jnp.asarray(a) for a in args)
+    kwargs = {k: jnp.asarray(v) for k, v in kwargs.items()}
+    if mode == "ref":
+        metric = es.to_refs(metric)
+        metric.update(*args, **kwargs)
+        return metric
+    return _apply_update(metric, args, kwargs)
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(
+        np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=atol
+    )
+
+
+# ---------------------------------------------------------------------- dtypes
+
+FLOAT_ONLY = [esm.Mean, esm.MeanStd]
+COUNTS = [
+    esm.Sum,
+    esm.Accuracy,
+    lambda **kw: esm.ConfusionMatrix(3, **kw),
+    lambda **kw: esm.Precision(3, average="macro", **kw),
+    lambda **kw: esm.Recall(3, average="macro", **kw),
+    lambda **kw: esm.F1(3, average="macro", **kw),
+    lambda **kw: esm.Histogram(3, range=(0.0, 1.0), **kw),
+]
+VALUES = [esm.Min, esm.Max, esm.LastValue]
+
+
+@pytest.mark.parametrize("factory", FLOAT_ONLY)
+def test_a_mean_refuses_an_integer_dtype(factory):
+    # the red-team case: Mean(dtype=int32) of [1.5, 2.5, 0.4] computed 1
+    for dtype in (jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64):
+        with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+            factory(dtype=dtype)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        factory(dtype=dtype)
+
+
+@pytest.mark.parametrize("factory", COUNTS)
+def test_counts_take_floating_or_signed_integer_dtypes(factory):
+    for dtype in (jnp.uint8, jnp.uint32, jnp.bool_, jnp.complex64):
+        with pytest.raises(ValueError, match="or, to count whole numbers exactly"):
+            factory(dtype=dtype)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.int32, jnp.int8):
+        factory(dtype=dtype)
+
+
+@pytest.mark.parametrize("factory", VALUES)
+def test_kept_values_take_floating_or_integer_dtypes(factory):
+    for dtype in (jnp.bool_, jnp.complex64):
+        with pytest.raises(ValueError, match="floating or integer dtype"):
+            factory(dtype=dtype)
+    for dtype in (jnp.float32, jnp.int32, jnp.uint8):
+        factory(dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_counts_refuse_fractional_weights_at_update(mode):
+    # the red-team case: Accuracy(dtype=int32) with weights [0.5, 0.5, 2] gave 0.0
+    p, y, w = np.array([1, 0, 1]), np.array([1, 0, 0]), np.array([0.5, 0.5, 2.0])
+    for name, metric, args in [
+        ("Accuracy", esm.Accuracy(dtype=jnp.int32), (p, y)),
+        ("ConfusionMatrix", esm.ConfusionMatrix(2, dtype=jnp.int32), (p, y)),
+        ("F1", esm.F1(dtype=jnp.int32), (p, y)),
+        (
+            "Recall",
+            esm.Recall(2, average="macro", multilabel=True, dtype=jnp.int32),
+            (p[:, None],) * 2,
+        ),
+        ("Sum", esm.Sum(dtype=jnp.int32), (y,)),
+    ]:
+        with pytest.raises(TypeError, match=rf"{name}\(dtype=int32\).*sample_weight"):
+            run(metric, mode, *args, sample_weight=w)
+    # a Python float weight too (weakly typed), as a state write would refuse it
+    acc = es.to_refs(esm.Accuracy(dtype=jnp.int32))
+    with pytest.raises(TypeError, match="a weight of 0.5 would count as 0"):
+        acc.update(jnp.asarray(p), jnp.asarray(y), sample_weight=1.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_sums_and_extremes_refuse_fractional_values_at_update(mode):
+    # the red-team case: Sum(dtype=int32) of [1.5, 2.5, 0.4] gave 3
+    x = np.array([1.5, 2.5, 0.4], np.float32)
+    for metric in [
+        esm.Sum(dtype=jnp.int32),
+        esm.Min(dtype=jnp.int32),
+        esm.Max(dtype=jnp.int16),
+        esm.LastValue(dtype=jnp.int32),
+    ]:
+        name = type(metric).__name__
+        with pytest.raises(TypeError, match=rf"{name}\(dtype=int\d+\).*2.5 would"):
+            run(metric, mode, x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_dtypes_count_whole_numbers_exactly(mode):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 40)
+    p = np.where(rng.random(40) < 0.6, y, rng.integers(0, 3, 40))
+    w = rng.integers(0, 4, 40).astype(np.int32)
+    kw = {"sample_weight": w}
+    acc = run(esm.Accuracy(dtype=jnp.int32), mode, p, y, **kw)
+    assert acc.correct[...].dtype == jnp.int32
+    close(acc.compute(), skm.accuracy_score(y, p, sample_weight=w))
+    cm = run(esm.ConfusionMatrix(3, dtype=jnp.int32), mode, p, y, **kw)
+    np.testing.assert_array_equal(
+        cm.compute(), skm.confusion_matrix(y, p, labels=[0, 1, 2], sample_weight=w)
+    )
+    for cls, fn in [
+        (esm.Precision, skm.precision_score),
+        (esm.Recall, skm.recall_score),
+        (esm.F1, skm.f1_score),
+    ]:
+        for average in ("macro", "weighted", "micro", None):
+            got = run(cls(3, average=average, dtype=jnp.int32), mode, p, y, **kw)
+            want = fn(y, p, average=average, sample_weight=w, zero_division=0)
+            close(got.compute(), want)
+    # past float32's 2**24, integers still count one by one
+    big = np.array([2**24, 1, 1], np.int32)
+    total = run(esm.Sum(dtype=jnp.int32), mode, big)
+    assert int(total.compute()) == 2**24 + 2
+    assert float(run(esm.Sum(), mode, big).compute()) != 2**24 + 2  # float32 rounds
+    x = rng.integers(-50, 50, 12).astype(np.int32)
+    assert int(run(esm.Min(dtype=jnp.int32), mode, x).compute()) == x.min()
+    assert int(run(esm.Max(dtype=jnp.int32), mode, x).compute()) == x.max()
+    assert int(run(esm.LastValue(dtype=jnp.int32), mode, x).compute()) == x[-1]
+
+
+# ------------------------------------------------- macro average: seen classes
+
+
+PRF = [
+    (esm.Precision, skm.precision_score),
+    (esm.Recall, skm.recall_score),
+    (esm.F1, skm.f1_score),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_class_seen_only_with_weight_zero_counts_in_the_macro_average(mode):
+    # the red-team case: class 3 occurs only in an example of weight 0
+    y, p, w = np.array([0, 3, 3]), np.array([0, 0, 2]), np.array([0.5, 0.5, 0.0])
+    for cls, fn in PRF:
+        for average in ("macro", "weighted", "micro", None):
+            got = run(cls(4, average=average), mode, p, y, sample_weight=w)
+            want = fn(y, p, average=average, sample_weight=w, zero_division=0)
+            if average is None:  # sklearn scores the classes seen: 0, 2, 3
+                got = np.asarray(got.compute())[[0, 2, 3]]
+            else:
+                got = got.compute()
+            close(got, want)
+    assert float(
+        run(esm.Recall(4, average="macro"), mode, p, y, sample_weight=w).compute()
+    ) == pytest.approx(1 / 3)
+
+
+N = 30
+C = 5
+
+
+def _draw(seed):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, C, N)
+    p = np.where(rng.random(N) < 0.5, y, rng.integers(0, C, N))
+    w = rng.uniform(0.1, 2.0, N).astype(np.float32)
+    w[rng.random(N) < 0.4] = 0.0  # many zero weights
+    if seed % 3 == 0:
+        w[y == 4] = 0.0  # a class seen only with weight 0 (as label)
+    if seed % 3 == 1:
+        w[(y == 4) | (p == 4)] = 0.0  # ... as label and prediction
+    mask = rng.random(N) < 0.8
+    return y, p, w, mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("zero_division", [0, 1, np.nan])
+def test_random_zero_weights_mask_and_padding_match_sklearn(mode, zero_division):
+    for seed in range(6):
+        y, p, w, mask = _draw(seed)
+        # a padding label (-1) is dropped like a masked-out example
+        y_pad = np.where(np.arange(N) % 7 == 3, -1, y)
+        keep = mask & (y_pad >= 0)
+        for cls, fn in PRF:
+            for average in ("macro", "weighted"):
+                metric = cls(C, average=average, zero_division=zero_division)
+                got = run(metric, mode, p, y_pad, sample_weight=w, mask=mask)
+                want = fn(
+                    y_pad[keep],
+                    p[keep],
+                    average=average,
+                    sample_weight=w[keep],
+                    zero_division=zero_division,
+                )
+                np.testing.assert_allclose(
+                    np.asarray(got.compute(), np.float64),
+                    want,
+                    rtol=1e-5,
+                    equal_nan=True,
+                    err_msg=f"{cls.__name__} {average} seed {seed}",
+                )
+
+
+def test_a_masked_out_class_is_not_seen():
+    # mask= is a mask: class 2, only in a masked-out example, is not averaged over
+    y, p = np.array([0, 1, 2]), np.array([0, 0, 2])
+    metric = run(esm.Recall(3, average="macro"), "ref", p, y, mask=np.array([1, 1, 0]))
+    close(metric.compute(), skm.recall_score(y[:2], p[:2], average="macro"))
+    assert np.asarray(metric.seen[...]).tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("cls,fn", PRF)
+def test_seen_merges_as_one_pass_and_resets(cls, fn):
+    y, p, w, mask = _draw(0)
+    h = N // 2
+    a = run(cls(C, average="macro"), "value", p[:h], y[:h], sample_weight=w[:h])
+    b = run(cls(C, average="macro"), "ref", p[h:], y[h:], sample_weight=w[h:])
+    whole = run(cls(C, average="macro"), "ref", p, y, sample_weight=w)
+    merged = a.merge(b)
+    np.testing.assert_array_equal(merged.seen[...], whole.seen[...])
+    want = fn(y, p, average="macro", sample_weight=w, zero_division=0)
+    close(merged.compute(), want)
+    close(whole.compute(), want)
+    fresh = es.reset(merged)
+    assert not np.asarray(fresh.seen[...]).any()
+    assert float(fresh.compute()) == 0.0
