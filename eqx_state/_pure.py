@@ -8,6 +8,7 @@ result: `eqx.filter_jit(train_step)` computes the same thing.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -193,6 +194,23 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
         if any(s is not None for s in spec):
             # sharded in its type (an explicit mesh): each slice is laid out over
             # the devices as the batch was
+            entry = spec[0] if spec else None
+            names = (
+                ()
+                if entry is None
+                else (entry if isinstance(entry, tuple) else (entry,))
+            )
+            devices = math.prod(sharding.mesh.shape[a] for a in names)
+            if shape[1] % devices:
+                raise StepError(
+                    f"make_step(..., microbatches={k}) on a mesh: each microbatch "
+                    f"of {shape[1]} examples (a batch of {x.shape[0]} in {k}) is "
+                    f"split over the mesh axes {names} of {devices} devices, which "
+                    f"needs a multiple of {devices}. Use a batch of a multiple of "
+                    f"{k * devices} examples, fewer microbatches, or a mesh with "
+                    "Auto axes (`axis_types=(jax.sharding.AxisType.Auto,)`), where "
+                    "XLA lays out uneven slices."
+                )
             spec = (None, *spec, *(None,) * (x.ndim - len(spec)))
             out = jax.sharding.NamedSharding(sharding.mesh, jax.P(*spec))
             return jax.lax.reshape(x, shape, out_sharding=out)

@@ -11,11 +11,29 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
+from ._compat import is_batched
+from ._errors import StateError, StateWriteError
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
     """The axis names of the `es.vmap` calls being traced (innermost last)."""
     return _MAPPED_AXES.get()
+
+
+def _explicit_split(args: tuple, axes: tuple) -> Any:
+    """The mesh axes that a mapped array argument is split over along its mapped
+    axis, when they are Explicit axes (its type says so); None otherwise."""
+    for a, ax in zip(args, axes):
+        if ax is None:
+            continue
+        for leaf in jax.tree_util.tree_leaves(a):
+            if not hasattr(leaf, "shape") or not jnp.ndim(leaf):
+                continue
+            spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+            axis = int(ax) % jnp.ndim(leaf)
+            if spec is not None and axis < len(spec) and spec[axis] is not None:
+                return spec[axis]
+    return None
 
 
 def _shadow(cells: list[Any], size: int) -> list[Any]:
@@ -102,6 +120,19 @@ def vmap(
                 slots.append(k)
             else:
                 slots.append(None)
+        split = _explicit_split(args, axes) if cells else None
+        if split is not None:
+            raise StateError(
+                f"es.vmap: the mapped batch is split over the mesh's Explicit axes "
+                f"{split!r} (a `make_step(mesh=...)` step on a mesh from "
+                "`jax.make_mesh`, whose axes are Explicit by default), and the "
+                "per-example state of the cells cannot follow that split. Build the "
+                "mesh with Auto axes, `jax.make_mesh(shape, names, axis_types="
+                "(jax.sharding.AxisType.Auto,) * len(names))` (XLA places the "
+                "communication; the result equals one device's), or call the model "
+                "on the whole batch (BatchNorm's default `channel_axis=1`, no "
+                "`axis_name`)."
+            )
         shadows = _shadow(cells, size)
 
         def inner(shadow_refs: list[Any], *mapped_args: Any) -> Any:
@@ -139,10 +170,27 @@ def vmap(
                 "vmapped axis first (e.g. BatchNorm(..., axis_name=...) or "
                 "jax.lax.pmean), or keep per-example state in a batched cell.",
             )
-            cell[...] = jax.lax.stop_gradient(value)
+            try:
+                cell[...] = jax.lax.stop_gradient(value)
+            except Exception as e:
+                # as in `Buffer.__setitem__`: JAX refuses, with a bare `Exception`,
+                # a write into a ref that an enclosing vmap does not batch
+                if type(e) is Exception and not is_batched(cell):
+                    raise StateWriteError(_NESTED_MESSAGE) from e
+                raise
         return out
 
     return mapped
+
+
+_NESTED_MESSAGE = (
+    "es.vmap ran inside another vmap that was not given the model's cells: "
+    "`es.vmap(es.vmap(model, ...), ...)` or a `jax.vmap` around `es.vmap` maps a "
+    "function, so the outer map cannot give the cells per-example shadows. Pass "
+    "the model to the outer map as an unmapped argument: `es.vmap(lambda m, x: "
+    "es.vmap(m, axis_name='inner')(x), in_axes=(None, 0), axis_name='outer')"
+    "(model, x)`, with the layers' `axis_name=('outer', 'inner')`."
+)
 
 
 def _rows_differ(rows: jax.Array) -> jax.Array:

@@ -109,3 +109,46 @@ def test_plain_jax_vmap_names_es_vmap():
     per, _ = _pair("ref")
     with pytest.raises(es.StateWriteError, match=r"eqx_state\.vmap"):
         jax.vmap(per, axis_name="batch")(jnp.ones((4, 4)))
+
+
+def _nested(m, x):
+    """`m` per example under two named `es.vmap`s: outer "o", inner "i"."""
+    return es.vmap(
+        lambda mm, xo: es.vmap(mm, axis_name="i")(xo),
+        in_axes=(None, 0),
+        axis_name="o",
+    )(m, x)
+
+
+def test_nested_dropout_must_name_every_axis():
+    """A layer naming only the inner axis would give every example along the outer
+    one the same mask: refused, naming both axes; naming both gives a mask per
+    example (no two equal, all different from each other along both axes)."""
+    x = jnp.ones((2, 3, 64))
+    with pytest.raises(es.StateWriteError, match=r"\('o',\).*axis_name=\('o', 'i'\)"):
+        es.apply(_nested, es.nn.Dropout(0.5, key=jax.random.key(0), axis_name="i"), x)
+    drop = es.nn.Dropout(0.5, key=jax.random.key(0), axis_name=("o", "i"))
+    y, _ = es.apply(_nested, drop, x)
+    masks = np.asarray(y != 0).reshape(6, 64)
+    assert len({m.tobytes() for m in masks}) == 6
+
+
+def test_nested_record_dead_fraction_with_a_tuple_axis_equals_numpy():
+    x = jax.random.normal(jax.random.key(1), (2, 4, 5)).at[..., 0].set(-1.0)
+    rec = es.nn.Record("dead_fraction", "mean", axis_name=("o", "i"))
+    _, rec = es.apply(_nested, rec, x)
+    xn = np.asarray(x, np.float64).reshape(8, 5)
+    got = es.recorded(rec)
+    np.testing.assert_allclose(got["dead_fraction"], np.mean(np.all(xn <= 0, 0)))
+    np.testing.assert_allclose(got["mean"], xn.mean(), rtol=1e-6)
+
+
+def test_es_vmap_of_es_vmap_of_a_model_names_the_fix():
+    bn = es.nn.BatchNorm(4, channel_axis=0, axis_name=("o", "i"))
+    x = jax.random.normal(jax.random.key(1), (2, 4, 4))
+    fn = lambda m, x: es.vmap(es.vmap(m, axis_name="i"), axis_name="o")(x)  # noqa: E731
+    with pytest.raises(es.StateWriteError, match=r"in_axes=\(None, 0\)"):
+        es.apply(fn, bn, x)
+    y, bn = es.apply(_nested, bn, x)  # the form it names: the batched call's result
+    _, whole = es.apply(lambda m, x: m(x), es.nn.BatchNorm(4), x.reshape(8, 4))
+    np.testing.assert_allclose(bn.running_var[...], whole.running_var[...], rtol=1e-5)

@@ -399,7 +399,13 @@ class Record(Recorder):
         if axes is None:
             # per-example code mapped with `es.vmap` over `axis_name` has no batch
             # axis; elsewhere (a whole batch, a device's shard of it) it is axis 0
-            per_example = self.axis_name is not None and self.axis_name in mapped_axes()
+            names = (
+                self.axis_name
+                if isinstance(self.axis_name, tuple)
+                else (self.axis_name,)
+            )
+            mapped = mapped_axes()
+            per_example = self.axis_name is not None and all(a in mapped for a in names)
             axes = () if per_example else (0,)
         axes = tuple(a % x.ndim if x.ndim else a for a in axes)
         if any(not 0 <= a < x.ndim for a in axes) or len(set(axes)) != len(axes):

@@ -161,6 +161,24 @@ class Rng(eqx.Module):
                 "each example folds its index into the key; or call the layer on the "
                 "whole batch."
             )
+        mapped = mapped_axes()
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        missing = [a for a in mapped if a is None or a not in names]
+        if axis_name is not None and missing:
+            unnamed = any(a is None for a in missing)
+            raise StateWriteError(
+                f"An Rng stream was drawn with axis_name={axis_name!r} inside "
+                f"`es.vmap` calls over the axes {tuple(mapped)}: examples along "
+                f"{tuple(missing)} would get the same key (the same dropout mask). "
+                + (
+                    "Name every `es.vmap` (`axis_name=...`) and pass "
+                    if unnamed
+                    else "Pass "
+                )
+                + "all of them, innermost last, e.g. "
+                f"`axis_name={tuple(a for a in mapped if a is not None) or None!r}` "
+                "(`Dropout(p, key=..., axis_name=...)`)."
+            )
         current = self.peek()
         if num is None:
             new, out = jax.random.split(current)
