@@ -31,3 +31,25 @@ def getkey():
 # tests/multidevice/ needs 4 devices set up before JAX starts: it runs in its own
 # process from tests/test_multidevice.py.
 collect_ignore = ["multidevice"]
+
+
+# Two workers (`-n 2 --dist loadfile`: a file's tests share one process, and so
+# its compiled programs and module fixtures). The files with the longest single
+# tests (subprocesses on 4 devices or several processes) and the largest files
+# start first, so that the workers do not end with one of them running alone.
+_LONG_FIRST = (
+    "test_multidevice.py",
+    "test_multiprocess.py",
+    "test_transform_matrix.py",
+    "test_orbax.py",
+    "test_kv_cache.py",
+    "test_metrics.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept

@@ -20,7 +20,7 @@ from eqx_state.metrics import _histogram
 MODES = ["value", "ref"]
 N = 96  # values per draw (padded with NaN, in no count): one shape per dtype
 SETTINGS = settings(
-    max_examples=15,
+    max_examples=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,

@@ -806,6 +806,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a 4-device subprocess; tests/multidevice covers metrics sharded
 def test_shard_map_on_four_devices_equals_one_pass(tmp_path):
     script = tmp_path / "shard_map_metrics.py"
     script.write_text(SHARD_MAP_SCRIPT)

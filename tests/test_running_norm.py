@@ -42,7 +42,7 @@ def _data_and_splits(draw):
     return data, cuts
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(_data_and_splits())
 def test_any_split_equals_numpy_over_everything(case):
     """Chan's parallel update: after any sequence of batches (empty ones included),
