@@ -10,33 +10,17 @@
   sample weights, 0 included: a weight of 0 is not a mask, `mask=` and padding
   labels are. The "seen" statistic merges (two halves = one pass) and resets."""
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import sklearn.metrics as skm
+from _metric_run import run
 
 import eqx_state as es
 from eqx_state import metrics as esm
 
 
 MODES = ["value", "ref"]
-
-
-@eqx.filter_jit
-def _apply_update(metric, args, kwargs):
-    return es.apply(lambda m: m.update(*args, **kwargs), metric)[1]
-
-
-def run(metric, mode, *args, **kwargs):
-    """One update: in value mode through a jitted `es.apply`, in ref mode eagerly."""
-    args = tuple(jnp.asarray(a) for a in args)
-    kwargs = {k: jnp.asarray(v) for k, v in kwargs.items()}
-    if mode == "ref":
-        metric = es.to_refs(metric)
-        metric.update(*args, **kwargs)
-        return metric
-    return _apply_update(metric, args, kwargs)
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 import sklearn.metrics as skm
+from _metric_run import apply_update, run
 from _torchmetrics import aggregation as ta, classification as tc, torch
 
 import eqx_state as es
@@ -19,22 +20,6 @@ from eqx_state import metrics as esm
 
 
 MODES = ["value", "ref"]
-
-
-@eqx.filter_jit
-def _apply_update(metric, args, kwargs):
-    return es.apply(lambda m: m.update(*args, **kwargs), metric)[1]
-
-
-def run(metric, mode, *args, **kwargs):
-    """One update: in value mode through a jitted `es.apply`, in ref mode eagerly."""
-    args = tuple(jnp.asarray(a) for a in args)
-    kwargs = {k: jnp.asarray(v) for k, v in kwargs.items()}
-    if mode == "ref":
-        metric = es.to_refs(metric)
-        metric.update(*args, **kwargs)
-        return metric
-    return _apply_update(metric, args, kwargs)
 
 
 def value(metric, mode, *args, **kwargs):
@@ -398,8 +383,8 @@ def test_nan_strategy_error_raises_in_every_way_of_running():
     close(m.compute(), np.nanmean(X_NAN))
     # under eqx.filter_jit(es.apply) (value mode): when the compiled call runs
     with pytest.raises(Exception, match="nan_strategy='error'"):
-        _apply_update(esm.Sum(nan_strategy="error"), (bad,), {})
-    close(_apply_update(esm.Sum(nan_strategy="error"), (good,), {}).compute(), 10.0)
+        apply_update(esm.Sum(nan_strategy="error"), (bad,), {})
+    close(apply_update(esm.Sum(nan_strategy="error"), (good,), {}).compute(), 10.0)
 
     # inside make_step (the loss updates the metric)
     class Model(eqx.Module):
