@@ -39,6 +39,7 @@ def so():
 SOME = ["es_value", "eqx_jit", "nnx_jit_partial"]
 
 
+@pytest.mark.slow  # a benchmark script run; the gate tests below stay fast
 def test_step_overhead_tiny(so, tmp_path):
     results = so.main(
         ["--tiny", "--steps", "2", "--variants", *SOME, "--out", str(tmp_path)]

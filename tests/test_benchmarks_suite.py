@@ -317,6 +317,7 @@ def test_reference_matches_torch(so, size_name, fast_compiles):
         np.testing.assert_allclose(snap["var"][i], bn.running_var.numpy(), rtol=1e-5)
 
 
+@pytest.mark.slow  # the CNN size; the MLP sizes are checked by the fast tests
 def test_check_tells_variance_conventions_apart_at_cnn_size(
     so, monkeypatch, fast_compiles
 ):

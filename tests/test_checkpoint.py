@@ -526,6 +526,7 @@ def train(step, model, opt_state, start, stop):
     return model, opt_state
 
 
+@pytest.mark.slow  # fresh processes; test_orbax resumes in one by default
 def test_bit_exact_resume_in_a_fresh_process(tmp_path):
     """N steps straight == k steps, save, load in a new process, N - k steps: params,
     optimizer state, BN statistics, counter and RNG key, bit for bit, in both modes."""
