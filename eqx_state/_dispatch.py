@@ -24,6 +24,7 @@ tracing: what a trace learns about its outputs travels back through jit's output
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from operator import itemgetter
@@ -31,6 +32,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
@@ -223,7 +225,14 @@ class _Plan:
         if not todo:
             return dyn
         dyn = list(dyn)
-        moved = jax.device_put([dyn[k] for k in todo], [placement[k] for k in todo])
+        try:
+            moved = jax.device_put([dyn[k] for k in todo], [placement[k] for k in todo])
+        except ValueError as e:
+            for k in todo:
+                message = _indivisible_message(dyn[k], placement[k])
+                if message is not None:
+                    raise StepError(message) from e
+            raise
         for k, x in zip(todo, moved):
             dyn[k] = x
         return dyn
@@ -555,6 +564,26 @@ def _committed(dyn: list) -> list:
         else jax.device_put(x, x.sharding)
         for x in dyn
     ]
+
+
+def _indivisible_message(x: Any, sharding: Any) -> str | None:
+    """Why `x` cannot be split as `sharding` says (an axis whose length the mesh
+    axes it is split over do not divide, typically a short last batch), or None."""
+    spec = tuple(getattr(sharding, "spec", ()))
+    for axis, (n, entry) in enumerate(zip(jnp.shape(x), spec)):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        devices = math.prod(sharding.mesh.shape[a] for a in names)
+        if n % devices:
+            return (
+                f"make_step(mesh=...): an array argument of shape "
+                f"{tuple(jnp.shape(x))} has {n} examples on its batch axis {axis}, "
+                f"which the mesh axes {names} of {devices} devices do not divide. "
+                "Drop the short last batch (`drop_last`), or pad it to a multiple of "
+                f"{devices} and mask the padding out of the loss and metrics "
+                "(BatchNorm takes `mask=`). Every array argument with that axis is "
+                "split as a batch: pass other arrays through a closure."
+            )
+    return None
 
 
 def _where(dyn: list, layout: _Layout) -> tuple:

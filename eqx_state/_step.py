@@ -15,7 +15,6 @@ import optax
 
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
-from ._errors import StepError
 from ._pure import apply_call, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, carry_shardings, layout_rule, place, place_carry
 
@@ -86,19 +85,15 @@ class Step:
         def scan_fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
             return scan_calls(fn, carry, args, kwargs, unroll=scan_unroll)
 
-        self._compiled = _StepCompiled(
-            fn,
-            donate=donate,
-            donate_policy=all_but_witnesses,
-            jit_kwargs=dict(jit_kwargs or {}),
-            name="eqx_state_step",
-        )
-        self._scan = _StepCompiled(
-            scan_fn,
-            donate=donate,
-            donate_policy=all_but_witnesses,
-            jit_kwargs=dict(jit_kwargs or {}),
-            name="eqx_state_step_scan",
+        self._compiled, self._scan = (
+            _StepCompiled(
+                f,
+                donate=donate,
+                donate_policy=all_but_witnesses,
+                jit_kwargs=dict(jit_kwargs or {}),
+                name=name,
+            )
+            for f, name in ((fn, "eqx_state_step"), (scan_fn, "eqx_state_step_scan"))
         )
         for c, batch_axis in ((self._compiled, 0), (self._scan, 1)):
             c.mesh, c.data_axis, c.batch_axis = mesh, data_axis, batch_axis
@@ -312,24 +307,6 @@ class _StepCompiled(Compiled):
         from jax.sharding import NamedSharding, PartitionSpec
 
         if np.ndim(x) > self.batch_axis:
-            names = (
-                self.data_axis
-                if isinstance(self.data_axis, tuple)
-                else (self.data_axis,)
-            )
-            devices = int(np.prod([self.mesh.shape[a] for a in names]))
-            n = np.shape(x)[self.batch_axis]
-            if n % devices:
-                raise StepError(
-                    f"make_step(mesh=...): an array argument of shape "
-                    f"{tuple(np.shape(x))} has {n} examples on its batch axis "
-                    f"{self.batch_axis}, which the mesh's data axis "
-                    f"{self.data_axis!r} of {devices} devices does not divide. Drop "
-                    "the short last batch (`drop_last`), or pad it to a multiple of "
-                    f"{devices} and mask the padding out of the loss and metrics "
-                    "(BatchNorm takes `mask=`). Every array argument with that axis "
-                    "is split as a batch: pass other arrays through a closure."
-                )
             spec = (None,) * self.batch_axis + (self.data_axis,)
             return NamedSharding(self.mesh, PartitionSpec(*spec))
         return NamedSharding(self.mesh, PartitionSpec())

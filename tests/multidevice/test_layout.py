@@ -11,31 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _net import Net, loss_fn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_state as es
-
-
-class Net(eqx.Module):
-    l1: eqx.nn.Linear
-    bn: es.nn.BatchNorm
-    l2: eqx.nn.Linear
-    steps: es.nn.Counter
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.l1 = eqx.nn.Linear(6, 8, use_bias=False, key=k1)
-        self.bn = es.nn.BatchNorm(8)
-        self.l2 = eqx.nn.Linear(8, 3, key=k2)
-        self.steps = es.nn.Counter()
-
-    def __call__(self, x):
-        return jax.vmap(self.l2)(jax.nn.relu(self.bn(jax.vmap(self.l1)(x))))
-
-
-def loss_fn(model, x, y):
-    model.steps.increment()
-    return jnp.mean((model(x) - y) ** 2)
 
 
 LAYOUT = [
@@ -61,6 +40,18 @@ def _arrays(tree):
     return [v for v in jax.tree.leaves(es.freeze(tree)) if isinstance(v, jax.Array)]
 
 
+def _assert_equals_one_device(model, opt_state, xs, ys):
+    """`model, opt_state` equal the same adam steps on one device, leaf by leaf."""
+    single = es.make_step(loss_fn, optax.adam(1e-2))
+    m = Net(jax.random.key(0))
+    s = single.init(m)
+    dev = jax.devices()[0]
+    for i in range(len(xs)):
+        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
+    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["value", "ref"])
 def test_tensor_parallel_equals_single_device(mesh2x2, mode):
     xs, ys = _data()
@@ -75,14 +66,7 @@ def test_tensor_parallel_equals_single_device(mesh2x2, mode):
         model, opt_state = step(model, opt_state, xs[i], ys[i])
     assert step.trace_count == 1
 
-    single = es.make_step(loss_fn, optax.adam(1e-2))
-    m = Net(jax.random.key(0))
-    s = single.init(m)
-    dev = jax.devices()[0]
-    for i in range(len(xs)):
-        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
-    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    _assert_equals_one_device(model, opt_state, xs, ys)
 
     frozen = es.freeze(model)
     assert frozen.l1.weight.sharding.spec == P("model", None)
@@ -211,14 +195,7 @@ def test_scan_with_a_layout_equals_single_device_steps(mesh2x2):
     assert step.trace_count == 1
     assert model.l1.weight.sharding.spec == P("model", None)
     assert opt_state[0].nu.l2.weight.sharding.spec == P(None, "model")
-    single = es.make_step(loss_fn, optax.adam(1e-2))
-    m = Net(jax.random.key(0))
-    s = single.init(m)
-    dev = jax.devices()[0]
-    for i in range(len(xs)):
-        m, s = single(m, s, jax.device_put(xs[i], dev), jax.device_put(ys[i], dev))
-    for a, b in zip(_arrays((model, opt_state)), _arrays((m, s)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    _assert_equals_one_device(model, opt_state, xs, ys)
 
 
 def test_a_new_batch_size_on_the_mesh_warns_once(mesh2x2):

@@ -72,5 +72,10 @@ def test_a_batch_the_devices_do_not_divide_names_the_fix(mesh):
     opt_state = step.init(bn)
     with pytest.raises(es.StepError, match=r"10 examples.*drop_last.*mask="):
         step(bn, opt_state, jnp.ones((10, 3)))
-    bn, _ = step(bn, opt_state, jnp.ones((8, 3)))  # the model is still usable
+    bn, opt_state = step(bn, opt_state, jnp.ones((8, 3)))  # still usable
     assert int(bn.num_batches_tracked[...]) == 1
+    # after a step compiled for 8 examples: the same error, nothing consumed
+    with pytest.raises(es.StepError, match=r"10 examples.*drop_last.*mask="):
+        step(bn, opt_state, jnp.ones((10, 3)))
+    bn, _ = step(bn, opt_state, jnp.ones((8, 3)))
+    assert int(bn.num_batches_tracked[...]) == 2

@@ -7,30 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _net import Net as _Net, loss_fn
 
 import eqx_state as es
 
 
-class Net(eqx.Module):
-    l1: eqx.nn.Linear
-    bn: es.nn.BatchNorm
-    l2: eqx.nn.Linear
-    steps: es.nn.Counter
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.l1 = eqx.nn.Linear(5, 8, use_bias=False, key=k1)
-        self.bn = es.nn.BatchNorm(8)
-        self.l2 = eqx.nn.Linear(8, 3, key=k2)
-        self.steps = es.nn.Counter()
-
-    def __call__(self, x):
-        return jax.vmap(self.l2)(jax.nn.relu(self.bn(jax.vmap(self.l1)(x))))
-
-
-def loss_fn(model, x, y):
-    model.steps.increment()
-    return jnp.mean((model(x) - y) ** 2)
+def Net(key):
+    return _Net(key, in_features=5)
 
 
 def _data(n=4, batch=16):
