@@ -17,6 +17,7 @@ from ._buffer import (
 )
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._errors import (
+    EqxStateError as EqxStateError,
     RecompileWarning as RecompileWarning,
     StaleModelError as StaleModelError,
     StateError as StateError,

@@ -31,7 +31,7 @@ import numpy as np
 
 from ._buffer import is_state
 from ._compat import Tracer, ref_is_consumed
-from ._errors import StaleModelError, StateError
+from ._errors import StaleModelError, StateError, StateValueError
 
 
 try:
@@ -527,7 +527,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"duplicate key {k!r}")
+            raise StateValueError(f"duplicate key {k!r}")
         out[k] = v
     return out
 

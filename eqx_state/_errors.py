@@ -1,7 +1,34 @@
-"""The library's exception types. Each message says what happened and how to fix it."""
+"""The library's exception types. Each message says what happened and how to fix it.
+
+Every error eqx_state raises is an `EqxStateError`, so `except es.EqxStateError`
+catches all of them. Each also derives from the built-in type it stands for (a wrong
+argument value is a `ValueError`, a wrong type a `TypeError`), so existing `except
+ValueError` clauses keep working.
+"""
 
 
-class StateError(RuntimeError):
+class EqxStateError(Exception):
+    """Base class of every error eqx_state raises."""
+
+
+class StateValueError(EqxStateError, ValueError):
+    """An argument with the right type and a wrong value (a shape, a dtype, an
+    option out of range, ...)."""
+
+
+class StateTypeError(EqxStateError, TypeError):
+    """An argument of the wrong type."""
+
+
+class StateNotImplementedError(EqxStateError, NotImplementedError):
+    """A method a subclass must define (e.g. a custom metric's `update`)."""
+
+
+class AxisNameError(EqxStateError, NameError):
+    """A layer's `axis_name` is not bound where the layer runs."""
+
+
+class StateError(EqxStateError, RuntimeError):
     """Base class of eqx_state's errors about state cells and steps."""
 
 
@@ -21,5 +48,6 @@ class StepError(StateError):
 
 class RecompileWarning(UserWarning):
     """A compiled step or apply was compiled again for arguments of new shapes or
-    dtypes (e.g. a ragged last batch). Filter it with
-    `warnings.simplefilter("ignore", es.RecompileWarning)` when that is intended."""
+    dtypes (e.g. a ragged last batch), or for a changed Python number (e.g. a float
+    learning rate). Filter it with `warnings.simplefilter("ignore",
+    es.RecompileWarning)` when that is intended."""

@@ -10,7 +10,7 @@ import jax
 
 from ._buffer import stale_message
 from ._compat import REF_TYPES, Tracer, ref_is_consumed
-from ._errors import StaleModelError
+from ._errors import StaleModelError, StateTypeError, StateValueError
 
 
 def _check_live(model: Any) -> None:
@@ -41,7 +41,7 @@ def _as_predicate(only: Any) -> Callable[[Any], bool]:
         return lambda m: isinstance(m, only)
     if callable(only):
         return lambda m: bool(only(m))
-    raise TypeError(
+    raise StateTypeError(
         "inference_mode: `only` must be a layer type (e.g. `es.nn.BatchNorm`), a "
         f"tuple of types, or a predicate `module -> bool`; got {only!r}."
     )
@@ -136,7 +136,7 @@ def inference_mode(
     def switch(part: Any) -> Any:
         targets = set(_inference_paths(part, keep))
         if not targets:
-            raise ValueError(_nothing_message(where, only))
+            raise StateValueError(_nothing_message(where, only))
         done: set[str] = set()
 
         def one(path: tuple, x: Any) -> Any:
@@ -148,7 +148,7 @@ def inference_mode(
 
         new = jax.tree_util.tree_map_with_path(one, part)
         if done != targets:  # an `inference` that is not a leaf (a static field)
-            raise ValueError(
+            raise StateValueError(
                 "inference_mode: these `inference` fields are static (part of the "
                 f"module's structure), so they cannot be switched here: {sorted(targets - done)}. "
                 "Make the field an ordinary (non-static) field, as Equinox's and "

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import Buffer, MetricState, is_state
+from ._errors import StateTypeError, StateValueError
 
 
 _T = TypeVar("_T")
@@ -21,14 +22,14 @@ def _selector(which: Which) -> Callable[[Buffer], bool]:
     if all(isinstance(k, type) for k in kinds):
         bad = [k for k in kinds if not issubclass(k, Buffer)]  # pyright: ignore
         if bad or not kinds:
-            raise TypeError(
+            raise StateTypeError(
                 f"reset: `which` must be a cell kind (a subclass of eqx_state.Buffer, "
                 "e.g. eqx_state.BatchStat), a tuple of kinds, or a predicate on "
                 f"cells; got {which!r}."
             )
         return lambda cell: isinstance(cell, kinds)  # pyright: ignore
     if isinstance(which, tuple) or not callable(which):
-        raise TypeError(
+        raise StateTypeError(
             "reset: `which` must be a cell kind (a subclass of eqx_state.Buffer), a "
             f"tuple of kinds, or a predicate on cells; got {which!r}."
         )
@@ -82,7 +83,7 @@ def reset(model: _T, which: Which = MetricState) -> _T:
         if not isinstance(x, Buffer) or x.value is None or not select(x):
             return x
         if x.init is None:
-            raise ValueError(
+            raise StateValueError(
                 f"reset: the {type(x).__name__} cell at `model{jax.tree_util.keystr(path)}` "
                 "has no initial value to go back to (its `init` is None). Narrow "
                 "`which` to the kinds you mean (e.g. `which=eqx_state.MetricState`), "

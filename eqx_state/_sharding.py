@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._buffer import _is_ref, is_state
 from ._compat import Tracer
-from ._errors import StateError, StepError
+from ._errors import StateError, StateTypeError, StateValueError, StepError
 from ._modes import path_str
 
 
@@ -54,7 +54,7 @@ def layout_rule(layout: Layout) -> Rule:
     if callable(layout):
         return layout  # pyright: ignore[reportReturnType]
     if isinstance(layout, str | bytes) or not isinstance(layout, Sequence):
-        raise TypeError(
+        raise StateTypeError(
             "`layout` must be a function `(path, x) -> PartitionSpec | None` or a "
             "sequence of `(regex, PartitionSpec)` pairs, got "
             f"{type(layout).__name__}."
@@ -67,7 +67,7 @@ def layout_rule(layout: Layout) -> Rule:
             and isinstance(item[0], str)
             and (item[1] is None or isinstance(item[1], PartitionSpec))
         ):
-            raise TypeError(
+            raise StateTypeError(
                 "Each entry of a `layout` sequence is a pair `(regex, PartitionSpec)`, "
                 f"e.g. `(r'mlp\\.0\\.weight$', P('model', None))`; got {item!r}."
             )
@@ -95,7 +95,7 @@ def _checked(where: str, shape: tuple[int, ...], spec: Any, mesh: Any) -> Partit
     if spec is None:
         return PartitionSpec()
     if not isinstance(spec, PartitionSpec):
-        raise TypeError(
+        raise StateTypeError(
             f"The layout gave {spec!r} for `{where}`; a layout returns a "
             "`jax.sharding.PartitionSpec` (or None: replicated)."
         )
@@ -385,7 +385,7 @@ def global_batch(
     ```
     """
     if data_axis not in mesh.axis_names:
-        raise ValueError(
+        raise StateValueError(
             f"global_batch: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
             "Pass `data_axis=` naming the axis that shards the batch."
         )
@@ -428,12 +428,12 @@ def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> sl
     `slice(B/2, B)` in process 1.
     """
     if data_axis not in mesh.axis_names:
-        raise ValueError(
+        raise StateValueError(
             f"process_slice: the mesh has axes {mesh.axis_names}, not {data_axis!r}."
         )
     n = dict(mesh.shape)[data_axis]
     if batch_size % n:
-        raise ValueError(
+        raise StateValueError(
             f"process_slice: the batch size {batch_size} does not divide over the "
             f"{n} shards of mesh axis {data_axis!r}."
         )
@@ -446,7 +446,7 @@ def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> sl
     )
     start, stop = rows[0][0], rows[-1][1]
     if any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
-        raise ValueError(
+        raise StateValueError(
             f"process_slice: this process's devices hold rows {rows} of the batch, "
             "not one contiguous block; build the global batch with "
             "`jax.make_array_from_callback` instead."

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RecordState, is_state
-from ._errors import StaleModelError
+from ._errors import StaleModelError, StateTypeError, StateValueError
 from ._modes import to_refs
 from .nn._batched import Batched
 
@@ -316,7 +316,7 @@ def _check_module(module: Any, name: str, check: Callable[[Any, str], None]) -> 
 def _check_concrete(x: Any, name: str) -> None:
     _check_live(x, name)
     if isinstance(x, jax.ShapeDtypeStruct):
-        raise ValueError(
+        raise StateValueError(
             f"`{name}` has no value: the model is abstract (built with "
             "`eqx.filter_eval_shape`, leaves are `jax.ShapeDtypeStruct`s). Load "
             "values into it first with `es.load_state_dict(model, state_dict)`."
@@ -363,7 +363,7 @@ def _export(tree: Any, prefix: str, out: dict[str, np.ndarray]) -> None:
 
 def _put(out: dict[str, Any], name: str, value: Any) -> None:
     if name in out:
-        raise ValueError(
+        raise StateValueError(
             f"Two parts of the model have the PyTorch name `{name}` (e.g. a dict key "
             "containing a dot, or an `eqx.nn.Sequential` beside a field of the same "
             "name): rename one of the fields so that every name is unique."
@@ -446,7 +446,7 @@ def _incoming(value: Any, name: str) -> Any:
 
             return t.view(torch.int16).numpy().view(jnp.bfloat16)
         return t.numpy()
-    raise TypeError(
+    raise StateTypeError(
         f"state_dict[{name!r}] is a {type(value).__name__}; expected an array "
         "(a torch.Tensor, a NumPy array or a JAX array)."
     )
@@ -468,7 +468,7 @@ def _checked(
     x = _incoming(value, name)
     shape = tuple(want.shape)
     if tuple(x.shape) != shape:
-        raise ValueError(
+        raise StateValueError(
             f"Size mismatch for `{name}`: the state dict has shape "
             f"{tuple(x.shape)}, the model ({where}) expects {shape} in PyTorch's "
             "layout. Check that the layer is built with the same sizes as the "
@@ -495,7 +495,7 @@ def _checked(
             )
             if ints:
                 fix = f"its values do not fit in {dtype.name}"
-            raise TypeError(
+            raise StateTypeError(
                 f"Dtype mismatch for `{name}`: the state dict has {have.name}, the "
                 f"model ({where}) holds {dtype.name}. Loading does not change a "
                 f"value's precision or kind silently: {fix}."
@@ -762,7 +762,7 @@ def load_state_dict(
     ```
     """
     if not isinstance(state_dict, Mapping):
-        raise TypeError(
+        raise StateTypeError(
             "load_state_dict expects a mapping from names to arrays (e.g. "
             f"`torch_model.state_dict()`), got {type(state_dict).__name__}."
         )
@@ -771,7 +771,7 @@ def load_state_dict(
     unexpected = [k for k in state_dict if k not in loader.used]
     missing = loader.missing
     if loader.no_value and not (strict and (missing or unexpected)):
-        raise ValueError(
+        raise StateValueError(
             "The model is abstract (built with `eqx.filter_eval_shape`) and the state "
             "dict lacks these names, so they would have no value: "
             + ", ".join(loader.no_value)
@@ -779,6 +779,6 @@ def load_state_dict(
         )
     if strict:
         if missing or unexpected:
-            raise ValueError(_mismatch_message(model, missing, unexpected))
+            raise StateValueError(_mismatch_message(model, missing, unexpected))
         return new
     return new, IncompatibleKeys(missing, unexpected)

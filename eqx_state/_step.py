@@ -15,6 +15,7 @@ import optax
 
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
+from ._errors import StateValueError
 from ._pure import apply_call, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, carry_shardings, layout_rule, place, place_carry
 
@@ -45,16 +46,16 @@ class Step:
         jit_kwargs: dict[str, Any] | None = None,
     ):
         if microbatches is not None and microbatches < 1:
-            raise ValueError(
+            raise StateValueError(
                 f"make_step: microbatches must be >= 1, got {microbatches}."
             )
         if mesh is not None and data_axis not in mesh.axis_names:
-            raise ValueError(
+            raise StateValueError(
                 f"make_step: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
                 "Pass `data_axis=` naming the axis that shards the batch."
             )
         if layout is not None and mesh is None:
-            raise ValueError(
+            raise StateValueError(
                 "make_step: `layout=` says how the model is split over a mesh; pass "
                 "the mesh too (`mesh=`)."
             )

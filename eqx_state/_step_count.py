@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from ._compat import Tracer
+from ._errors import StateValueError
 
 
 def _is_multi_steps(x: Any) -> bool:
@@ -70,7 +71,7 @@ def step_count(opt_state: Any) -> jax.Array:
         and jnp.issubdtype(jnp.result_type(leaf), jnp.integer)
     ]
     if not counts:
-        raise ValueError(
+        raise StateValueError(
             "step_count: this optimizer state keeps no step counter (no field named "
             "`count`; plain `optax.sgd` keeps no state at all). Count steps in your "
             "loop, or add one: `optax.chain(optimizer, optax.scale_by_schedule(lambda "
@@ -80,7 +81,7 @@ def step_count(opt_state: Any) -> jax.Array:
     for path, other in counts[1:]:
         if not isinstance(other, Tracer) and not isinstance(first, Tracer):
             if not np.array_equal(np.asarray(other), np.asarray(first)):
-                raise ValueError(
+                raise StateValueError(
                     f"step_count: the optimizer's counters disagree ({first_path} = "
                     f"{np.asarray(first)}, {path} = {np.asarray(other)}): some of its "
                     "transformations do not count every step. Read the one you mean "

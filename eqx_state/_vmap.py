@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
 from ._compat import is_batched
-from ._errors import StateError, StateWriteError
+from ._errors import StateError, StateValueError, StateWriteError
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
@@ -91,7 +91,7 @@ def vmap(
     def mapped(*args: Any) -> Any:
         axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
         if len(axes) != len(args):
-            raise ValueError(
+            raise StateValueError(
                 f"es.vmap: in_axes has {len(axes)} entries for {len(args)} arguments."
             )
         size = axis_size
@@ -102,7 +102,7 @@ def vmap(
                     size = int(jnp.shape(leaves[0])[int(ax)])
                     break
         if size is None:
-            raise ValueError("es.vmap: no mapped argument; pass `axis_size=`.")
+            raise StateValueError("es.vmap: no mapped argument; pass `axis_size=`.")
         # `fn` and the unmapped arguments are searched for ref cells
         carriers = (fn, *(a if ax is None else None for a, ax in zip(args, axes)))
         flat, treedef = jax.tree_util.tree_flatten(carriers, is_leaf=is_state)

@@ -1,4 +1,10 @@
 import os
+import sys
+
+
+# Tests live in folders that mirror the package (core/, nn/, metrics/, io/, ...); the
+# helpers they share (_scripts.py, _metric_run.py, ...) live here, in tests/.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 # The tests compile thousands of small programs; on CI's 2 cores, most of their time is

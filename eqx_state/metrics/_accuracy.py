@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Integer, Real, Shaped
 
 from .._buffer import MetricState
+from .._errors import StateValueError
 from ._base import (
     FloatScalar,
     Metric,
@@ -90,7 +91,7 @@ class Accuracy(Metric):
         dtype=jnp.float32,
     ):
         if top_k < 1:
-            raise ValueError(f"Accuracy: top_k must be >= 1, got {top_k}.")
+            raise StateValueError(f"Accuracy: top_k must be >= 1, got {top_k}.")
         dtype = _check_dtype("Accuracy", dtype, "counts")
         self.correct = statistic("sum", dtype=dtype)
         self.total = statistic("sum", dtype=dtype)
@@ -129,7 +130,7 @@ class Accuracy(Metric):
         else:
             assert preds is not None
             if self.top_k != 1:
-                raise ValueError(
+                raise StateValueError(
                     f"Accuracy(top_k={self.top_k}) needs logits or scores with a "
                     "trailing class axis to rank the classes; it got predictions of "
                     "the labels' shape. Pass the logits, or use `Accuracy()` "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, is_state
+from .._errors import StateNotImplementedError, StateTypeError, StateValueError
 
 
 # Return annotations (aliases keep jaxtyping's shape strings out of signatures, which
@@ -63,7 +64,7 @@ def _default_init(merge: Merge, dtype: Any) -> bool | int | float:
             return merge == "min"
         info = jnp.iinfo(dtype)
         return int(info.max) if merge == "min" else int(info.min)
-    raise ValueError(
+    raise StateValueError(
         f"statistic(merge={merge!r}) has no natural initial value: pass `init=` (the "
         "value of the statistic before any data, which `eqx_state.reset` writes back)."
     )
@@ -129,14 +130,14 @@ def statistic(
     ```
     """
     if not (callable(merge) or merge in _MERGES):
-        raise ValueError(
+        raise StateValueError(
             f"statistic: merge must be one of {_MERGES} or a function (a, b) -> "
             f"merged, got {merge!r}."
         )
     if init is None:
         init = _default_init(merge, dtype)
     if not isinstance(init, (bool, int, float)):
-        raise TypeError(
+        raise StateTypeError(
             f"statistic: init must be a Python scalar (it is a static fill value), "
             f"got {type(init).__name__}."
         )
@@ -168,7 +169,7 @@ def _fit(what: str, a: Array, shape: tuple[int, ...]) -> Array:
         return a
     if a.shape == shape[: a.ndim]:
         return a.reshape(a.shape + (1,) * (len(shape) - a.ndim))
-    raise ValueError(
+    raise StateValueError(
         f"`{what}` has shape {a.shape}, which does not fit values of shape {shape}. "
         f"`{what}` must be a scalar, have the values' shape, or a prefix of it "
         "(e.g. shape [batch] for values of shape [batch, time]); its axes line up "
@@ -231,7 +232,7 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
         "wrapping or truncating.",
         "values": "",
     }[kind]
-    raise ValueError(
+    raise StateValueError(
         f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {dtype!r}.{why} The "
         "default, jnp.float32, fits most uses."
     )
@@ -262,7 +263,7 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
                 if name == "sample_weight"
                 else "2.5 would become 2"
             )
-            raise TypeError(
+            raise StateTypeError(
                 f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` has dtype "
                 f"{src.name}, which statistics of dtype {jnp.dtype(dtype).name} "
                 f"would truncate ({example}). Build the metric with a floating dtype "
@@ -276,7 +277,7 @@ _NAN_STRATEGIES = ("propagate", "ignore", "error")
 
 def _check_nan_strategy(metric: str, nan_strategy: str) -> str:
     if nan_strategy not in _NAN_STRATEGIES:
-        raise ValueError(
+        raise StateValueError(
             f"{metric}: nan_strategy must be one of {_NAN_STRATEGIES}, got "
             f"{nan_strategy!r}."
         )
@@ -495,7 +496,7 @@ class Metric(eqx.Module):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name, None)
             if isinstance(v, MetricState) and not isinstance(v, Statistic):
-                raise TypeError(
+                raise StateTypeError(
                     f"{type(self).__name__}.{f.name} is a MetricState that does not "
                     "say how it merges. Declare a metric's statistics with "
                     "`eqx_state.metrics.statistic(merge, shape=..., dtype=..., "
@@ -509,12 +510,16 @@ class Metric(eqx.Module):
         """Add a batch to the metric's statistics (a state write). A metric computes
         the batch's statistics and calls
         [`eqx_state.metrics.Metric.accumulate`][]."""
-        raise NotImplementedError(f"{type(self).__name__} does not define `update`.")
+        raise StateNotImplementedError(
+            f"{type(self).__name__} does not define `update`."
+        )
 
     def compute(self) -> Any:
         """The metric's value from the statistics accumulated so far (a read; never
         writes). A metric reads its cells, e.g. `self.total[...]`."""
-        raise NotImplementedError(f"{type(self).__name__} does not define `compute`.")
+        raise StateNotImplementedError(
+            f"{type(self).__name__} does not define `compute`."
+        )
 
     def merge_statistics(
         self, a: dict[str, Array], b: dict[str, Array]
@@ -544,7 +549,7 @@ class Metric(eqx.Module):
             elif callable(rule):
                 out[name] = rule(x, y)
             else:
-                raise NotImplementedError(
+                raise StateNotImplementedError(
                     f"{type(self).__name__}: the statistic {name!r} is declared "
                     "merge='custom', so the metric must override "
                     "`merge_statistics(self, a, b)`."
@@ -595,7 +600,7 @@ class Metric(eqx.Module):
         cells = self._statistic_cells()
         name = type(self).__name__
         if set(batch) != set(cells):
-            raise TypeError(
+            raise StateTypeError(
                 f"{name}.accumulate got the statistics {sorted(batch)}; it needs one "
                 f"value for each statistic of the metric: {list(cells)}."
             )
@@ -605,7 +610,7 @@ class Metric(eqx.Module):
             try:
                 v = jnp.broadcast_to(v, cell.shape)
             except ValueError:
-                raise ValueError(
+                raise StateValueError(
                     f"{name}.accumulate: the statistic {k!r} has shape {cell.shape}, "
                     f"got a value of shape {v.shape}."
                 ) from None
@@ -617,7 +622,7 @@ class Metric(eqx.Module):
             extra = _varying_axes(stats[k]) - _varying_axes(current[k])
             if extra:
                 axes = ", ".join(repr(a) for a in sorted(extra, key=str))
-                raise ValueError(
+                raise StateValueError(
                     f"{name}.update got per-device values (they vary over the mesh "
                     f"axes {axes} inside `shard_map`), but the metric's state is "
                     "replicated over those axes, so each device would keep "
@@ -643,7 +648,7 @@ class Metric(eqx.Module):
             try:
                 jax.lax.axis_size(axis)
             except NameError:
-                raise ValueError(
+                raise StateValueError(
                     _unbound_axis_message(type(self).__name__, axis, what)
                 ) from None
         varying = frozenset().union(*(_varying_axes(v) for v in stats.values()))
@@ -681,7 +686,7 @@ class Metric(eqx.Module):
 
     def _check_mergeable(self, other: Any, what: str) -> None:
         if type(other) is not type(self):
-            raise TypeError(
+            raise StateTypeError(
                 f"{type(self).__name__}.{what}: cannot combine with a "
                 f"{type(other).__name__}; both must be the same kind of metric."
             )
@@ -694,7 +699,7 @@ class Metric(eqx.Module):
             (type(c), c.shape, c.dtype) for c in other._statistic_cells().values()
         ]
         if mine != theirs or shapes != other_shapes:
-            raise ValueError(
+            raise StateValueError(
                 f"{type(self).__name__}.{what}: the two metrics are configured "
                 f"differently ({self._config()} vs {other._config()}), so their "
                 "statistics cannot be combined. Merge metrics built with the same "

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Integer, Real, Shaped
 
 from .._buffer import MetricState
+from .._errors import StateValueError
 from ._base import (
     ConfusionArray,
     Metric,
@@ -46,7 +47,7 @@ def _check_zero_division(metric: str, zero_division: int | float | str) -> float
             return "nan"
         if zero_division in (0, 1):
             return float(zero_division)
-    raise ValueError(
+    raise StateValueError(
         f"{metric}: zero_division must be 0, 1 or nan (as in scikit-learn), got "
         f"{zero_division!r}."
     )
@@ -76,12 +77,12 @@ class _ConfusionMetric(Metric):
     ) -> None:
         name = type(self).__name__
         if num_classes < (1 if multilabel else 2):
-            raise ValueError(
+            raise StateValueError(
                 f"{name}: num_classes must be >= 2 (>= 1 labels for multilabel=True), "
                 f"got {num_classes}."
             )
         if top_k < 1 or (top_k > 1 and multilabel):
-            raise ValueError(
+            raise StateValueError(
                 f"{name}: top_k must be >= 1, and 1 for multi-label input; got "
                 f"top_k={top_k}, multilabel={multilabel}."
             )
@@ -131,7 +132,7 @@ class _ConfusionMetric(Metric):
         name = type(self).__name__
         c = self.num_classes
         if self.threshold is not None and c != 2:
-            raise ValueError(
+            raise StateValueError(
                 f"{name}(num_classes={c}, threshold=...): a threshold on "
                 "probabilities makes a binary prediction; build the metric with "
                 "num_classes=2, or multilabel=True for one probability per label."
@@ -142,7 +143,7 @@ class _ConfusionMetric(Metric):
         if logits is not None:
             preds, _ = _predictions(logits, labels, self.top_k)
         elif self.top_k != 1:
-            raise ValueError(
+            raise StateValueError(
                 f"{name}(top_k={self.top_k}) needs logits or scores with a trailing "
                 "class axis to rank the classes; it got predictions of the labels' "
                 "shape. Pass the logits, or use top_k=1."
@@ -175,7 +176,7 @@ class _ConfusionMetric(Metric):
         x, y = jnp.asarray(x), jnp.asarray(labels)
         y = _as_labels(f"{name}.update: `labels`", y)
         if x.shape != y.shape or x.ndim < 1 or x.shape[-1] != self.num_classes:
-            raise ValueError(
+            raise StateValueError(
                 f"{name}(num_classes={self.num_classes}, multilabel=True) got "
                 f"predictions of shape {x.shape} and labels of shape {y.shape}: both "
                 f"must have the shape [*batch, {self.num_classes}] (one 0/1 entry, "
@@ -263,7 +264,7 @@ class ConfusionMatrix(_ConfusionMetric):
         dtype=jnp.float32,
     ):
         if normalize not in (None, "true", "pred", "all"):
-            raise ValueError(
+            raise StateValueError(
                 "ConfusionMatrix: normalize must be None, 'true', 'pred' or 'all', "
                 f"got {normalize!r}."
             )
@@ -314,18 +315,18 @@ class _AveragedMetric(_ConfusionMetric):
     ):
         name = type(self).__name__
         if average not in _AVERAGES:
-            raise ValueError(
+            raise StateValueError(
                 f"{name}: average must be one of {_AVERAGES}, got {average!r}."
             )
         if average == "binary" and (num_classes != 2 or multilabel):
-            raise ValueError(
+            raise StateValueError(
                 f"{name}(num_classes={num_classes}, average='binary'): the binary "
                 "average scores one positive class of a two-class problem. For "
                 "more classes, or multi-label input, pass average='macro', "
                 "'micro', 'weighted' or None (per class)."
             )
         if not 0 <= pos_label < max(num_classes, 2):
-            raise ValueError(
+            raise StateValueError(
                 f"{name}: pos_label must be a class index in [0, {num_classes}), "
                 f"got {pos_label}."
             )

@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import ArrayLike, Shaped
 
+from .._errors import StateTypeError, StateValueError
 from ._base import Metric
 
 
@@ -53,16 +54,16 @@ class Metrics(eqx.Module):
         members = dict(metrics or {})
         for name, metric in named.items():
             if name in members:
-                raise ValueError(f"Metrics: the name {name!r} is given twice.")
+                raise StateValueError(f"Metrics: the name {name!r} is given twice.")
             members[name] = metric
         for name, metric in members.items():
             if not isinstance(name, str) or name in _RESERVED:
-                raise ValueError(
+                raise StateValueError(
                     f"Metrics: {name!r} cannot name a metric; names are strings other "
                     f"than {_RESERVED} (the keyword `update` uses for a shared mask)."
                 )
             if not isinstance(metric, (Metric, Metrics)):
-                raise TypeError(
+                raise StateTypeError(
                     f"Metrics: {name!r} is a {type(metric).__name__}, not a metric. "
                     "Members must be `eqx_state.metrics` metrics (or nested "
                     "`Metrics`)."
@@ -106,7 +107,7 @@ class Metrics(eqx.Module):
         given.update(named)
         unknown = [name for name in given if name not in self.metrics]
         if unknown:
-            raise ValueError(
+            raise StateValueError(
                 f"Metrics.update got values for {unknown}, which are not in this "
                 f"collection; its metrics are {list(self.names)}."
             )
@@ -114,7 +115,7 @@ class Metrics(eqx.Module):
             value, metric = given[name], self.metrics[name]
             if isinstance(metric, Metrics):
                 if not isinstance(value, dict):
-                    raise TypeError(
+                    raise StateTypeError(
                         f"Metrics.update: {name!r} is a nested Metrics collection, so "
                         "its value must be a dict of its members' arguments, got a "
                         f"{type(value).__name__}."
@@ -158,7 +159,7 @@ class Metrics(eqx.Module):
         [`eqx_state.metrics.Metric.merge`][]); returns a new value-mode collection."""
         if not isinstance(other, Metrics) or set(other.names) != set(self.names):
             theirs = list(other.names) if isinstance(other, Metrics) else other
-            raise ValueError(
+            raise StateValueError(
                 f"Metrics.merge: the collections hold different metrics "
                 f"({list(self.names)} vs {theirs}); merge collections built alike."
             )

@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real, Shaped
 
 from .._buffer import MetricState
+from .._errors import StateTypeError, StateValueError
 from ._base import (
     Metric,
     _check_dtype,
@@ -144,7 +145,7 @@ def _plan(low: float, high: float, bins: int, dtype_name: str) -> _Plan:
     with np.errstate(all="ignore"):  # overflow: refused below
         edges = np.linspace(low, high, bins + 1, dtype=dtype)
     if not (np.all(np.isfinite(edges)) and np.all(edges[1:] > edges[:-1])):
-        raise ValueError(
+        raise StateValueError(
             f"Histogram(bins={bins}, range=({low!r}, {high!r})) cannot bin "
             f"{dtype.name} values: rounded to {dtype.name}, its edges are not all "
             "distinct and finite (the bins are narrower than the resolution of "
@@ -255,20 +256,20 @@ class Histogram(Metric):
         dtype=jnp.float32,
     ):
         if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
-            raise ValueError(f"Histogram: bins must be an int >= 1, got {bins!r}.")
+            raise StateValueError(f"Histogram: bins must be an int >= 1, got {bins!r}.")
         try:
             low, high = (float(r) for r in range)
         except (TypeError, ValueError):
-            raise ValueError(
+            raise StateValueError(
                 f"Histogram: range must be a pair (low, high), got {range!r}."
             ) from None
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError(
+            raise StateValueError(
                 f"Histogram: range must be finite with low < high, got {range!r}."
             )
         edges = np.linspace(low, high, bins + 1)
         if not (np.all(np.isfinite(edges)) and np.all(edges[1:] > edges[:-1])):
-            raise ValueError(
+            raise StateValueError(
                 f"Histogram(bins={bins}, range={range!r}): the bin edges are not all "
                 "distinct and finite in float64 (too many bins for the range, or a "
                 "range wider than float64 can span); numpy.histogram refuses this "
@@ -318,7 +319,7 @@ class Histogram(Metric):
             jnp.issubdtype(x.dtype, jnp.floating)
             or jnp.issubdtype(x.dtype, jnp.integer)
         ):
-            raise TypeError(
+            raise StateTypeError(
                 f"Histogram.update: values must be real numbers, got dtype {x.dtype}."
             )
         w = _weights(x, mask, sample_weight, dtype).reshape(-1)

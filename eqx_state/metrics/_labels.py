@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
+from .._errors import StateTypeError, StateValueError
+
 
 def _as_labels(what: str, x: Array) -> Array:
     if not (jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_):
-        raise TypeError(
+        raise StateTypeError(
             f"{what}: expected integer class labels, got dtype {x.dtype}. Labels are "
             "class indices (0 / 1 for binary and multi-label problems)."
         )
@@ -33,7 +35,7 @@ def _check_threshold(metric: str, threshold: float | None) -> float | None:
         return None
     threshold = float(threshold)
     if not 0.0 <= threshold <= 1.0:
-        raise ValueError(
+        raise StateValueError(
             f"{metric}: threshold must be a probability in [0, 1], got {threshold}. "
             "For logits, threshold the probabilities (`jax.nn.sigmoid(logits)`), or "
             "pass predicted labels `(logits > 0).astype(jnp.int32)`."
@@ -43,7 +45,7 @@ def _check_threshold(metric: str, threshold: float | None) -> float | None:
 
 def _threshold(metric: str, x: Array, threshold: float | None, shape: tuple) -> Array:
     if threshold is None:
-        raise TypeError(
+        raise StateTypeError(
             f"{metric}.update got floating-point predictions of the labels' shape "
             f"{shape}. For probabilities of the positive class, build the metric "
             f"with a threshold, e.g. `{metric}(..., threshold=0.5)` (an example is "
@@ -72,7 +74,7 @@ def _split_inputs(
     y = _as_labels(f"{metric}.update: `labels`", jnp.asarray(labels))
     if x.ndim == y.ndim + 1 and x.shape[:-1] == y.shape:
         if num_classes is not None and x.shape[-1] != num_classes:
-            raise ValueError(
+            raise StateValueError(
                 f"{metric}(num_classes={num_classes}) got logits with "
                 f"{x.shape[-1]} classes (shape {x.shape}). Build the metric with "
                 f"`num_classes={x.shape[-1]}`."
@@ -82,7 +84,7 @@ def _split_inputs(
         if jnp.issubdtype(x.dtype, jnp.inexact):
             return None, _threshold(metric, x, threshold, y.shape), y
         return None, _as_labels(f"{metric}.update: predictions", x), y
-    raise ValueError(
+    raise StateValueError(
         f"{metric}.update got predictions of shape {x.shape} and labels of shape "
         f"{y.shape}. Pass either logits of shape [*batch, num_classes] with labels "
         "[*batch], or predictions (labels, or probabilities with `threshold=`) of "

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
+from .._errors import StateValueError
 from ._base import (
     Metric,
     _check_dtype,
@@ -93,7 +94,7 @@ class LastValue(Metric):
             if mask is not None:
                 mask = jnp.reshape(jnp.asarray(mask), (1,))
         elif value.shape[1:] != self.shape:
-            raise ValueError(
+            raise StateValueError(
                 f"LastValue(shape={self.shape}) got a value of shape {value.shape}: "
                 f"expected one value of shape {self.shape} or a batch of shape "
                 f"[n, *{self.shape}]. Build the metric with the shape of one value, "

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
+from .._errors import StateValueError
 from ._base import (
     FloatScalar,
     Metric,
@@ -84,7 +85,7 @@ class MeanStd(Metric):
         dtype=jnp.float32,
     ):
         if ddof < 0:
-            raise ValueError(f"MeanStd: ddof must be >= 0, got {ddof}.")
+            raise StateValueError(f"MeanStd: ddof must be >= 0, got {ddof}.")
         dtype = _check_dtype("MeanStd", dtype, "floating")
         self.count = statistic("custom", dtype=dtype, init=0)
         self.mean = statistic("custom", dtype=dtype, init=0)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._buffer import Cache, is_state
+from .._errors import StateValueError
 from ._kv_cache import KVCache
 
 
@@ -96,7 +97,7 @@ class CausalSelfAttention(eqx.Module):
         key: PRNGKeyArray,
     ):
         if num_heads <= 0 or embed_dim % num_heads:
-            raise ValueError(
+            raise StateValueError(
                 f"CausalSelfAttention: num_heads={num_heads} must be positive and "
                 f"divide embed_dim={embed_dim}."
             )
@@ -145,7 +146,7 @@ class CausalSelfAttention(eqx.Module):
         """
         del key
         if x.ndim != 2 or x.shape[1] != self.embed_dim:
-            raise ValueError(
+            raise StateValueError(
                 f"CausalSelfAttention(embed_dim={self.embed_dim}) expects one sequence "
                 f"of shape [seq, {self.embed_dim}], got {x.shape}. For a batch, use "
                 "`jax.vmap(attn)(x)`."
@@ -209,7 +210,7 @@ def with_kv_cache(
     """
 
     if batch_size is not None and batch_size <= 0:
-        raise ValueError(
+        raise StateValueError(
             f"with_kv_cache: batch_size must be positive, got {batch_size}."
         )
 

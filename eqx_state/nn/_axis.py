@@ -7,6 +7,8 @@ from collections.abc import Hashable
 
 import jax
 
+from .._errors import AxisNameError
+
 
 def axis_size(axis_name: Hashable, layer: str) -> int:
     """The size of the named axis `axis_name` (of an enclosing `jax.vmap`,
@@ -16,7 +18,7 @@ def axis_size(axis_name: Hashable, layer: str) -> int:
     try:
         return jax.lax.axis_size(axis_name)
     except NameError as e:
-        raise NameError(
+        raise AxisNameError(
             f"{layer}(axis_name={axis_name!r}) was called where no axis named "
             f"{axis_name!r} is bound, so it cannot reduce its statistics over that "
             "axis. `axis_name` is for per-example or per-device code: calls mapped "

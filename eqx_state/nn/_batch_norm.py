@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat
+from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._flag import inference_flag
 
@@ -124,22 +125,22 @@ class BatchNorm(eqx.Module):
         dtype=None,
     ):
         if num_features <= 0:
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm: num_features must be positive, got {num_features}."
             )
         if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm: momentum must be in [0, 1] or None, got {momentum}."
             )
         if zero_debias and momentum is None:
-            raise ValueError(
+            raise StateValueError(
                 "BatchNorm: zero_debias=True needs a momentum: it divides the running "
                 "statistics by 1 - (1 - momentum)**t, and momentum=None (a "
                 "cumulative average) has nothing to correct. Drop one of them."
             )
         dtype = jnp.float32 if dtype is None else dtype
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm: dtype must be a real floating dtype, got {dtype}."
             )
         self.num_features = num_features
@@ -176,11 +177,11 @@ class BatchNorm(eqx.Module):
 
     def _check(self, x: Array) -> int:
         if x.ndim < 1:
-            raise ValueError(
+            raise StateValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."
             )
         if jnp.issubdtype(x.dtype, jnp.complexfloating):
-            raise TypeError(
+            raise StateTypeError(
                 f"BatchNorm does not support complex input (got {x.dtype}), as "
                 "torch.nn.BatchNorm: the variance of complex data has more than one "
                 "definition. Normalise the real and imaginary parts, e.g. "
@@ -188,7 +189,7 @@ class BatchNorm(eqx.Module):
                 "twice the channels."
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
+            raise StateTypeError(
                 f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
             )
@@ -198,14 +199,14 @@ class BatchNorm(eqx.Module):
             else None
         )
         if axis is None or x.shape[axis] != self.num_features:
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm({self.num_features}) got an input of shape {x.shape} with "
                 f"channel_axis={self.channel_axis}: expected {self.num_features} "
                 "channels on that axis. For inputs laid out [N, C, ...] use "
                 "channel_axis=1 (PyTorch's layout); for channels-last, channel_axis=-1."
             )
         if x.ndim == 1 and self.axis_name is None and not inference_flag(self):
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm got a single example of shape {x.shape} in training mode: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
                 "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
@@ -216,14 +217,14 @@ class BatchNorm(eqx.Module):
     def _mask(self, mask: ArrayLike, x: Array) -> Array:
         m = jnp.asarray(mask)
         if m.dtype != jnp.bool_:
-            raise TypeError(
+            raise StateTypeError(
                 f"BatchNorm: mask must be boolean (True where an entry counts), got "
                 f"{m.dtype}. E.g. `mask=lengths[:, None] > jnp.arange(T)`."
             )
         try:
             return jnp.broadcast_to(m, x.shape)
         except ValueError:
-            raise ValueError(
+            raise StateValueError(
                 f"BatchNorm: a mask of shape {m.shape} does not broadcast to the input "
                 f"shape {x.shape}. Give one entry per example (shape [N] + [1] * "
                 f"{x.ndim - 1}, e.g. `mask[:, None]` for [N, C]), or the input's shape."
@@ -288,7 +289,7 @@ class BatchNorm(eqx.Module):
                 where = (
                     "" if self.axis_name is None else f" over axis {self.axis_name!r}"
                 )
-                raise ValueError(
+                raise StateValueError(
                     f"BatchNorm got one value per channel{where} (input shape "
                     f"{x.shape}) in training mode: the batch variance is 0, so the "
                     "running variance would shrink towards 0 (PyTorch raises here "

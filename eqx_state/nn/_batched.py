@@ -6,6 +6,8 @@ from typing import Any, Generic, TypeVar
 import equinox as eqx
 import jax
 
+from .._errors import StateTypeError, StateValueError
+
 
 _Layer = TypeVar("_Layer")
 
@@ -64,11 +66,11 @@ class Batched(eqx.Module, Generic[_Layer]):
 
     def __init__(self, layer: _Layer, *, batch_dims: int = 1):
         if not callable(layer):
-            raise TypeError(
+            raise StateTypeError(
                 f"Batched wraps a callable layer, got {type(layer).__name__}."
             )
         if not isinstance(batch_dims, int) or batch_dims < 1:
-            raise ValueError(
+            raise StateValueError(
                 f"Batched: batch_dims must be a positive int, got {batch_dims!r}."
             )
         self.layer = layer
@@ -90,7 +92,7 @@ class Batched(eqx.Module, Generic[_Layer]):
         ndim = getattr(x, "ndim", None)
         if ndim is None or ndim < self.batch_dims:
             shape = getattr(x, "shape", None)
-            raise ValueError(
+            raise StateValueError(
                 f"Batched({type(self.layer).__name__}) maps over {self.batch_dims} "
                 f"leading batch axis/axes, but got an input of shape {shape}. Pass a "
                 "batch (e.g. `x[None]` for one example), or call the wrapped layer "

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._buffer import CounterState
+from .._errors import StateTypeError
 from ._flag import inference_flag
 
 
@@ -47,7 +48,7 @@ class Counter(eqx.Module):
         """Add `by` to the count (unless in inference mode); return the new count."""
         step = jnp.asarray(by)
         if not jnp.issubdtype(step.dtype, jnp.integer):
-            raise TypeError(
+            raise StateTypeError(
                 f"Counter.increment(by) needs an integer step, got {by!r} of dtype "
                 f"{step.dtype}; a counter counts whole steps (use a metric, e.g. "
                 "`es.metrics.Sum`, to accumulate fractional values)."

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from .._buffer import AverageState, _is_param, is_state, params
+from .._errors import StateValueError
 from ._flag import inference_flag
 
 
@@ -129,33 +130,33 @@ class EMA(eqx.Module):
         inference: bool = False,
     ):
         if not 0.0 <= decay < 1.0:
-            raise ValueError(f"EMA: decay must be in [0, 1), got {decay}.")
+            raise StateValueError(f"EMA: decay must be in [0, 1), got {decay}.")
         if warmup_length < 0:
-            raise ValueError(
+            raise StateValueError(
                 f"EMA: warmup_length must be non-negative, got {warmup_length}."
             )
         if zero_debias and warmup_length:
-            raise ValueError(
+            raise StateValueError(
                 "EMA: zero_debias=True cannot be combined with warmup_length > 0: the "
                 "warm-up copies the value into the average, so there is no zero start "
                 "to correct (Haiku raises for the same reason). Drop one of them."
             )
         if zero_debias and dynamic_decay:
-            raise ValueError(
+            raise StateValueError(
                 "EMA: zero_debias=True cannot be combined with dynamic_decay=True: "
                 "the correction 1 - decay**t assumes a constant decay. Drop one of "
                 "them."
             )
         leaves, treedef = jax.tree_util.tree_flatten(params(model))
         if not leaves:
-            raise ValueError(
+            raise StateValueError(
                 "EMA: the model has no parameters to average (no inexact arrays "
                 "outside state cells)."
             )
         if accumulation_dtype is not None and not jnp.issubdtype(
             accumulation_dtype, jnp.floating
         ):
-            raise ValueError(
+            raise StateValueError(
                 "EMA: accumulation_dtype must be a floating dtype, got "
                 f"{accumulation_dtype}."
             )
@@ -186,7 +187,7 @@ class EMA(eqx.Module):
     def _leaves(self, model: PyTree, what: str) -> list[Array]:
         leaves, treedef = jax.tree_util.tree_flatten(params(model))
         if treedef != self.treedef:
-            raise ValueError(
+            raise StateValueError(
                 f"EMA.{what} got a model whose parameters do not have the structure "
                 f"of the model the EMA was built from ({len(leaves)} parameter arrays, "
                 f"expected {len(self.hidden)}). Pass the same kind of model that was "
@@ -195,7 +196,7 @@ class EMA(eqx.Module):
             )
         for i, (x, cell) in enumerate(zip(leaves, self.hidden)):
             if x.shape != cell.shape:
-                raise ValueError(
+                raise StateValueError(
                     f"EMA.{what}: parameter {i} has shape {x.shape}, but the EMA "
                     f"keeps an average of shape {cell.shape}. Pass a model with the "
                     "shapes of the one given to `EMA(...)`."

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import StateTypeError
+
 
 def inference_flag(layer: Any) -> bool:
     """`layer.inference` as a Python bool, or a `TypeError` that names the fix.
@@ -19,7 +21,7 @@ def inference_flag(layer: Any) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     kind = getattr(value, "dtype", type(value).__name__)
-    raise TypeError(
+    raise StateTypeError(
         f"`{type(layer).__name__}.inference` must be a Python bool, got "
         f"{type(value).__name__} ({kind}{getattr(value, 'shape', '')}). A map over "
         "every leaf of the model, such as `jax.tree.map(jnp.copy, model)`, turns "

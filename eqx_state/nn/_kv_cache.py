@@ -9,7 +9,7 @@ from jax import core as jax_core
 from jaxtyping import Array, Float, Int
 
 from .._buffer import Cache
-from .._errors import StateWriteError
+from .._errors import StateTypeError, StateValueError, StateWriteError
 
 
 def _overflow_message(max_len: int) -> str:
@@ -127,12 +127,12 @@ class KVCache(eqx.Module):
         on_overflow: Literal["raise", "nan"] = "raise",
     ):
         if max_len <= 0 or num_heads <= 0 or head_dim <= 0:
-            raise ValueError(
+            raise StateValueError(
                 "KVCache: max_len, num_heads and head_dim must be positive, got "
                 f"{max_len}, {num_heads}, {head_dim}."
             )
         if on_overflow not in ("raise", "nan"):
-            raise ValueError(
+            raise StateValueError(
                 f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."
             )
         dtype = jnp.float32 if dtype is None else dtype
@@ -179,7 +179,7 @@ class KVCache(eqx.Module):
         cursor is concrete; under `jit`, see the class docstring.
         """
         if self.cursor.value.ndim:
-            raise ValueError(
+            raise StateValueError(
                 f"KVCache.append: this cache holds a batch of sequences (cursor of "
                 f"shape {tuple(self.cursor.shape)}), and one call appends to one "
                 "sequence. Map the per-sequence model over the batch with "
@@ -187,7 +187,7 @@ class KVCache(eqx.Module):
             )
         heads, _, head_dim = self.keys.shape
         if keys.shape != values.shape or tuple(keys.shape[1:]) != (heads, head_dim):
-            raise ValueError(
+            raise StateValueError(
                 "KVCache.append: expected keys and values of shape "
                 f"[seq, {heads}, {head_dim}], got {keys.shape} and {values.shape}."
             )
@@ -246,7 +246,7 @@ class KVCache(eqx.Module):
         cursor = self.cursor[...]
         length = jnp.broadcast_to(jnp.asarray(length), cursor.shape)
         if not jnp.issubdtype(length.dtype, jnp.integer):
-            raise TypeError(
+            raise StateTypeError(
                 f"KVCache.truncate: length must be an integer, got {length.dtype}."
             )
         length = length.astype(cursor.dtype)

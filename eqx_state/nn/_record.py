@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._buffer import RecordState, _is_ref, is_state
-from .._errors import StateWriteError
+from .._errors import StateTypeError, StateValueError, StateWriteError
 from .._modes import freeze
 from .._vmap import mapped_axes
 from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
@@ -305,7 +305,7 @@ class Record(Recorder):
         **metrics: Any,
     ):
         if not statistics and not metrics:
-            raise ValueError(
+            raise StateValueError(
                 "Record needs at least one statistic, e.g. "
                 f"`Record('mean', 'std')`; the built-in ones are {list(_BUILTINS)}, "
                 "and any metric can be given by name, `Record(hist=es.metrics."
@@ -313,7 +313,7 @@ class Record(Recorder):
             )
         for s in statistics:
             if s not in _BUILTINS:
-                raise ValueError(
+                raise StateValueError(
                     f"Record: unknown statistic {s!r}. The built-in statistics are "
                     f"{list(_BUILTINS)}; record anything else with a metric by "
                     f"name, e.g. `Record({s}=es.metrics.Mean())`."
@@ -321,9 +321,9 @@ class Record(Recorder):
         names = tuple(statistics) + tuple(metrics)
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ValueError(f"Record: the statistic(s) {dup} are given twice.")
+            raise StateValueError(f"Record: the statistic(s) {dup} are given twice.")
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"Record: dtype must be floating, got {dtype}.")
+            raise StateValueError(f"Record: dtype must be floating, got {dtype}.")
         built: dict[str, Metric] = {}
         for s in statistics:
             # dead units are found over the whole axis in `_dead`: the flags are
@@ -332,7 +332,7 @@ class Record(Recorder):
             built[s] = _BUILTINS[s].metric(axis_name=axis, dtype=dtype)
         for name, m in metrics.items():
             if not isinstance(m, Metric):
-                raise TypeError(
+                raise StateTypeError(
                     f"Record({name}=...) must be a metric (an eqx_state.metrics."
                     f"Metric, e.g. es.metrics.Histogram(...)), got {type(m).__name__}."
                 )
@@ -409,7 +409,7 @@ class Record(Recorder):
             axes = () if per_example else (0,)
         axes = tuple(a % x.ndim if x.ndim else a for a in axes)
         if any(not 0 <= a < x.ndim for a in axes) or len(set(axes)) != len(axes):
-            raise ValueError(
+            raise StateValueError(
                 f"Record('dead_fraction', batch_axis={self.batch_axis}) got a value "
                 f"of shape {x.shape}: the batch axes must be distinct axes of the "
                 "value. A unit is dead when it is <= 0 for every example, so the "
@@ -462,7 +462,7 @@ class Record(Recorder):
             (other.names, other.custom, other.axis_name, other.batch_axis, other.dtype)
             != (self.names, self.custom, self.axis_name, self.batch_axis, self.dtype)
         ):
-            raise ValueError(
+            raise StateValueError(
                 f"Record.{what}: can only combine recorders built with the same "
                 f"statistics and options; got {self._config()} and "
                 f"{other._config() if isinstance(other, Record) else type(other).__name__}."
@@ -577,11 +577,11 @@ class Capture(Recorder):
         try:
             shape = tuple(int(s) for s in shape)
         except TypeError:
-            raise TypeError(
+            raise StateTypeError(
                 f"Capture: shape must be a tuple of ints, got {shape!r}."
             ) from None
         if any(s < 0 for s in shape):
-            raise ValueError(f"Capture: shape must be non-negative, got {shape}.")
+            raise StateValueError(f"Capture: shape must be non-negative, got {shape}.")
         init = False if jnp.dtype(dtype) == jnp.bool_ else 0
         self.value = RecordState(jnp.zeros(shape, dtype), init=init)
         self.count = RecordState(jnp.zeros((), jnp.int32), init=0)
@@ -618,7 +618,7 @@ class Capture(Recorder):
         dtype = self.value.dtype
         if tuple(v.shape) != self.shape:
             what = " (gathered over the axis)" if self.axis_name is not None else ""
-            raise ValueError(
+            raise StateValueError(
                 f"Capture(shape={self.shape}) got a value of shape "
                 f"{tuple(v.shape)}{what}. A capture keeps one array of a fixed shape "
                 "(the batch size is part of it): build it with the shape of the "
@@ -630,7 +630,7 @@ class Capture(Recorder):
                 jnp.issubdtype(v.dtype, jnp.inexact)
                 != jnp.issubdtype(dtype, jnp.inexact)
             ):
-                raise ValueError(
+                raise StateValueError(
                     f"Capture(dtype={jnp.dtype(dtype).name}) got a value of dtype "
                     f"{v.dtype}, which it cannot hold exactly. Build the capture "
                     f"with the value's dtype, `Capture(shape, dtype=jnp.{v.dtype})`."

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 
 from .._buffer import RngState
-from .._errors import StateWriteError
+from .._errors import StateTypeError, StateValueError, StateWriteError
 from .._vmap import mapped_axes
 from ._flag import inference_flag
 
@@ -23,13 +23,13 @@ def _as_key(seed_or_key: Any) -> KeyBatch:
         return jax.random.key(seed_or_key)
     key = seed_or_key
     if not isinstance(key, jax.Array):
-        raise TypeError(
+        raise StateTypeError(
             "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
             f"or a raw `jax.random.PRNGKey(seed)`), got {type(key).__name__}."
         )
     is_typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not (is_typed or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
-        raise TypeError(
+        raise StateTypeError(
             "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
             "or a raw `jax.random.PRNGKey(seed)` of dtype uint32 and shape (2,)), got "
             f"an array of dtype {key.dtype} and shape {key.shape}."
@@ -264,9 +264,9 @@ class Dropout(eqx.Module):
         inference: bool = False,
     ):
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"Dropout: p must be in [0, 1], got {p}.")
+            raise StateValueError(f"Dropout: p must be in [0, 1], got {p}.")
         if rng is not None:
-            raise TypeError(
+            raise StateTypeError(
                 "Dropout(rng=...) was removed: an `Rng` is a value like any Equinox "
                 "layer, so one `Rng` object given to two Dropouts would be two "
                 "streams starting from the same key — the same masks. Give each "
@@ -309,7 +309,7 @@ class Dropout(eqx.Module):
             return jnp.zeros_like(x)
         if key is None:
             if self.rng is None:
-                raise ValueError(
+                raise StateValueError(
                     "This Dropout has no random stream and no key was passed. Build "
                     "it with `Dropout(p, key=jax.random.key(seed))` (a stream of its "
                     "own), or pass `key=` at every training call (e.g. drawn from an "

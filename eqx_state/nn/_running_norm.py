@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Real
 
 from .._buffer import BatchStat
+from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._flag import inference_flag
 
@@ -100,12 +101,16 @@ class RunningNorm(eqx.Module):
     ):
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
-            raise ValueError(f"RunningNorm: shape must be non-negative, got {shape}.")
+            raise StateValueError(
+                f"RunningNorm: shape must be non-negative, got {shape}."
+            )
         if clip is not None and not clip > 0:
-            raise ValueError(f"RunningNorm: clip must be positive or None, got {clip}.")
+            raise StateValueError(
+                f"RunningNorm: clip must be positive or None, got {clip}."
+            )
         dtype = jnp.float32 if dtype is None else dtype
         if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
+            raise StateValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
         self.shape = shape
         self.eps = eps
         self.clip = clip
@@ -123,7 +128,7 @@ class RunningNorm(eqx.Module):
     def _batch_ndim(self, x: Array) -> int:
         k = len(self.shape)
         if x.ndim < k or tuple(x.shape[x.ndim - k :]) != self.shape:
-            raise ValueError(
+            raise StateValueError(
                 f"RunningNorm(shape={self.shape}) got an input of shape {x.shape}: "
                 f"expected [..., {', '.join(map(str, self.shape))}] (one input of "
                 "shape `shape`, or a batch of them along leading axes)."
@@ -226,11 +231,11 @@ class RunningNorm(eqx.Module):
         ```
         """
         if not isinstance(other, RunningNorm):
-            raise TypeError(
+            raise StateTypeError(
                 f"RunningNorm.merge needs another RunningNorm, got {type(other).__name__}."
             )
         if other.shape != self.shape or other.mean.dtype != self.mean.dtype:
-            raise ValueError(
+            raise StateValueError(
                 "RunningNorm.merge: the normalisers must have the same shape and "
                 f"dtype, got shape {self.shape} ({self.mean.dtype}) and {other.shape} "
                 f"({other.mean.dtype})."

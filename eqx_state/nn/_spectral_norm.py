@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._buffer import PowerIterationState
+from .._errors import StateValueError
 from ._flag import inference_flag
 
 
@@ -130,31 +131,31 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         key: PRNGKeyArray,
     ):
         if n_power_iterations <= 0:
-            raise ValueError(
+            raise StateValueError(
                 "SpectralNorm: n_power_iterations must be positive, got "
                 f"{n_power_iterations}."
             )
         weight = getattr(layer, weight_name, None)
         if weight is None or not eqx.is_inexact_array(weight):
-            raise ValueError(
+            raise StateValueError(
                 f"SpectralNorm: the layer {type(layer).__name__} has no floating-point "
                 f"array field {weight_name!r} to normalise. Pass the name of its "
                 "weight with `weight_name=...`."
             )
         if weight.ndim < 2:
-            raise ValueError(
+            raise StateValueError(
                 f"SpectralNorm: the weight {weight_name!r} has shape {weight.shape}; "
                 "spectral normalisation needs a matrix or higher-rank weight."
             )
         if not -weight.ndim <= dim < weight.ndim:
-            raise ValueError(
+            raise StateValueError(
                 f"SpectralNorm: dim={dim} is out of range for a weight of shape "
                 f"{weight.shape}."
             )
         if input_ndim is None:
             input_ndim = _known_input_ndim(layer)
             if input_ndim is None:
-                raise ValueError(
+                raise StateValueError(
                     f"SpectralNorm cannot tell the rank of one input of "
                     f"{type(layer).__name__}: pass `input_ndim=` (e.g. 1 for a layer "
                     "that takes a vector, 3 for one that takes [C, H, W]). A call on an "
@@ -162,7 +163,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
                     "(batch) axes; an input of that rank is one example."
                 )
         elif input_ndim < 0:
-            raise ValueError(
+            raise StateValueError(
                 f"SpectralNorm: input_ndim must be non-negative, got {input_ndim}."
             )
         self.input_ndim = int(input_ndim)
@@ -208,7 +209,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         name = type(layer).__name__
         if isinstance(layer, eqx.nn.Linear) and layer.in_features != "scalar":
             if x.ndim < 1 or x.shape[-1] != layer.in_features:
-                raise ValueError(
+                raise StateValueError(
                     f"SpectralNorm({name}({layer.in_features}, ...)) got an input of "
                     f"shape {x.shape}: expected [..., {layer.in_features}] (one "
                     "example, or any leading batch axes)."
@@ -217,7 +218,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
             event = self.input_ndim
             if x.ndim < event or x.shape[-event] != layer.in_channels:
                 spatial = ", ".join(["..."] * layer.num_spatial_dims)
-                raise ValueError(
+                raise StateValueError(
                     f"SpectralNorm({name} with {layer.in_channels} input channels) got "
                     f"an input of shape {x.shape}: expected [{layer.in_channels}, "
                     f"{spatial}] for one example, or [N, {layer.in_channels}, "
@@ -225,7 +226,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
                     "take them)."
                 )
         elif x.ndim < self.input_ndim:
-            raise ValueError(
+            raise StateValueError(
                 f"SpectralNorm({name}, input_ndim={self.input_ndim}) got an input of "
                 f"shape {x.shape}: one example has {self.input_ndim} axes, and any "
                 "extra leading axes are batch axes."

@@ -15,7 +15,7 @@ from _scripts import load_script
 pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 
-_BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SECTIONS = [
     "## Environment",
     "## Targets",
@@ -92,7 +92,7 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
     }
     assert raw["environment"]["packages"]["jax"] in text
     # The benchmarks imported this checkout's eqx_state.
-    here = str(Path(__file__).resolve().parent.parent / "eqx_state")
+    here = str(Path(__file__).resolve().parents[2] / "eqx_state")
     for payload in raw["benchmarks"].values():
         assert payload["eqx_state"] == here
     run = _load("run")

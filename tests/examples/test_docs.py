@@ -11,7 +11,7 @@ import pytest
 import eqx_state as es
 
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md")) + [DOCS.parent / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

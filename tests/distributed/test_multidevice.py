@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_multidevice_suite():

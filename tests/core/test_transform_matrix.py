@@ -22,7 +22,7 @@ import transform_matrix_cases as M
 import eqx_state as es
 
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "transform-matrix.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "transform-matrix.md"
 
 
 # With EQX_STATE_MATRIX_STRICT=1 the silent known defects fail instead of xfailing.

@@ -30,7 +30,7 @@ from sklearn.metrics import confusion_matrix
 import eqx_state as es
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MISUSE_DOC = ROOT / "docs" / "misuse.md"
 
 

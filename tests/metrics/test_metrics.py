@@ -956,7 +956,7 @@ def test_docstring_examples_run(obj):
 
 
 def test_train_eval_metrics_example(capsys):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     try:
         import train_eval_metrics
     finally:

@@ -531,7 +531,9 @@ def test_bit_exact_resume_in_a_fresh_process(tmp_path):
     """N steps straight == k steps, save, load in a new process, N - k steps: params,
     optimizer state, BN statistics, counter and RNG key, bit for bit, in both modes."""
     script = tmp_path / "resume.py"
-    script.write_text(RESUME.format(tests=os.path.dirname(__file__)))
+    script.write_text(
+        RESUME.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     step = es.make_step(loss_fn, optax.adam(1e-2))
     straight = {}
     for mode in ("value", "ref"):

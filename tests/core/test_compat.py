@@ -13,7 +13,7 @@ import pytest
 from eqx_state import _compat
 
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "eqx_state"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "eqx_state"
 
 
 def test_no_private_jax_outside_the_compat_module():
