@@ -51,6 +51,36 @@ def ref_is_consumed(ref: Any) -> bool:
     return buf is not None and bool(buf.is_deleted())
 
 
+# -- a concrete ref's array -------------------------------------------------------
+
+
+def is_concrete_ref(x: Any) -> bool:
+    """Whether `x` is a ref made outside any trace (`jax.new_ref` called eagerly),
+    whose array JAX holds in `x._refs._buf`."""
+    return type(x) is jax.Ref
+
+
+def ref_buffer(ref: Any) -> jax.Array:
+    """The array a concrete ref holds, without a copy (an eager `ref[...]` runs a
+    program: ~70 us; this is an attribute read). JAX itself hands this array to a
+    compiled call that takes the ref (`pxla._shard_mutable_array`)."""
+    return ref._refs._buf
+
+
+def set_ref_buffer(ref: Any, new: jax.Array) -> None:
+    """Put `new` into a concrete ref in place of its array, as JAX does with the
+    output of a compiled call that wrote the ref (`pxla.ExecuteReplicated`:
+    `args[i]._refs._buf._replace_with(out)`): the ref's array object takes `new`'s
+    buffer, so every holder of the ref sees the new value."""
+    ref._refs._buf._replace_with(new)
+
+
+def is_deleted_array_error(e: BaseException) -> bool:
+    """Whether `e` is JAX's error for a call given an array whose buffer was deleted
+    (donated to an earlier call)."""
+    return "has been deleted" in str(e)
+
+
 # -- Equinox's run-time errors -----------------------------------------------------
 
 

@@ -36,7 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import _is_ref, is_state, stale_message
-from ._compat import Tracer, equinox_runtime_error
+from ._compat import (
+    Tracer,
+    equinox_runtime_error,
+    is_concrete_ref,
+    is_deleted_array_error,
+    ref_buffer,
+    set_ref_buffer,
+)
 from ._errors import RecompileWarning, StaleModelError, StepError
 from ._modes import check_no_shared_refs, path_str
 from ._sharding import (
@@ -47,10 +54,15 @@ from ._sharding import (
 )
 
 
-_DYN, _REF, _STATIC = 0, 1, 2
+# An array (traced); a ref passed as a ref (under an outer trace, or an argument); a
+# static leaf; a concrete ref of the carry, run as a value-mode cell: its array goes
+# in, donated, and the new array is put back into the same ref (see `call_flat`).
+_DYN, _REF, _STATIC, _REFBUF = 0, 1, 2, 3
 
 
 def _kind(x: Any) -> int:
+    if is_concrete_ref(x):
+        return _REFBUF
     if _is_ref(x):
         return _REF
     if isinstance(x, (jax.Array, np.ndarray, np.generic)):
@@ -89,56 +101,76 @@ class _OutSpec:
         self.result_static = result_static
 
 
-class _Layout:
+class _Signature:
     """How the leaves of `(carry, args, kwargs)` with one structure and one set of
     leaf kinds split into what the jitted function takes."""
 
-    def __init__(self, treedef: Any, kinds: tuple[int, ...], carry: tuple, donate):
-        self.treedef = treedef
+    def __init__(
+        self, carry_td: Any, arg_td: Any, kinds: list[int], carry_leaves: list, donate
+    ):
+        n_carry = carry_td.num_leaves
+        # a concrete ref outside the carry is passed as a ref: only the carry's
+        # outputs come back to be put into refs
+        kinds = [
+            _REF if k == _REFBUF and i >= n_carry else k for i, k in enumerate(kinds)
+        ]
+        self.carry_treedef, self.arg_treedef = carry_td, arg_td
         self.n_leaves = len(kinds)
-        self.carry_treedef = treedef.children()[0]
-        n_carry = self.n_carry = self.carry_treedef.num_leaves
-        self.dyn_idx = tuple(i for i, k in enumerate(kinds) if k == _DYN)
+        self.n_carry = n_carry
+        self.dyn_idx = tuple(i for i, k in enumerate(kinds) if k in (_DYN, _REFBUF))
+        self.refbuf_idx = tuple(i for i, k in enumerate(kinds) if k == _REFBUF)
+        self.refbuf_ks = tuple(self.dyn_idx.index(i) for i in self.refbuf_idx)
         self.ref_idx = tuple(i for i, k in enumerate(kinds) if k == _REF)
         self.static_idx = tuple(i for i, k in enumerate(kinds) if k == _STATIC)
         self.get_dyn = _getter(self.dyn_idx)
         self.get_refs = _getter(self.ref_idx)
         self.get_static = _getter(self.static_idx)
-        may_donate = donate(carry)  # one bool per carry leaf
-        self.donatable = tuple(i < n_carry and may_donate[i] for i in self.dyn_idx)
+        # one bool per carry leaf: which positions the function replaces; a ref's
+        # array is always replaced (and donated, as JAX donates a ref's array)
+        may_donate = donate(carry_td.unflatten(carry_leaves))
+        refbufs = set(self.refbuf_idx)
+        self.donatable = tuple(
+            i < n_carry and (may_donate[i] or i in refbufs) for i in self.dyn_idx
+        )
         self.plans: dict[Any, _Plan] = {}
+        self.numbers_seen: dict[int, list] = {}  # static numbers, for a warning
+
+    def unflatten(self, leaves: list) -> tuple[tuple, tuple, dict]:
+        carry = self.carry_treedef.unflatten(leaves[: self.n_carry])
+        args, kwargs = self.arg_treedef.unflatten(leaves[self.n_carry :])
+        return carry, args, kwargs
 
 
 class _Plan:
-    """One compiled variant: a layout plus the static values and the aliasing of
+    """One compiled variant: a signature plus the static values and the aliasing of
     the arrays, and the `jax.jit` function for them."""
 
-    def __init__(
-        self, owner: Compiled, layout: _Layout, statics, alias, dyn, mesh, carry=None
-    ):
-        self.layout = layout
-        n = len(layout.dyn_idx)
+    def __init__(self, owner: Compiled, sig: _Signature, statics, alias, dyn, leaves):
+        self.sig = sig
+        n = len(sig.dyn_idx)
         self.alias = alias  # for each array: the index of its first occurrence
         roots = list(range(n)) if alias is None else list(alias)
         firsts = [k for k in range(n) if roots[k] == k]
         # An array is donated only if every position holding it may be donated, and
         # only a jax array (a NumPy array has no device buffer to give).
-        ok = dict.fromkeys(firsts, owner.donate)
+        always = set(sig.refbuf_ks)
+        ok = {k: owner.donate or k in always for k in firsts}
         for k in range(n):
-            ok[roots[k]] = ok[roots[k]] and layout.donatable[k]
+            ok[roots[k]] = ok[roots[k]] and sig.donatable[k]
         donated = [k for k in firsts if ok[k] and isinstance(dyn[k], jax.Array)]
         self.donated_ks = tuple(donated)
         dset = set(donated)
         self.kept_ks = tuple(
-            k for k in firsts if k not in dset and layout.dyn_idx[k] < layout.n_carry
+            k for k in firsts if k not in dset and sig.dyn_idx[k] < sig.n_carry
         )
         self.arg_ks = tuple(
-            k for k in firsts if k not in dset and layout.dyn_idx[k] >= layout.n_carry
+            k for k in firsts if k not in dset and sig.dyn_idx[k] >= sig.n_carry
         )
-        # carry positions whose input is donated (they must come back from the call)
-        self.donated_pos = frozenset(
-            layout.dyn_idx[k] for k in range(n) if roots[k] in dset
-        )
+        # carry positions that must come back from the call: those whose input is
+        # donated, and the refs' arrays (put back into their refs)
+        self.returned_pos = frozenset(
+            sig.dyn_idx[k] for k in range(n) if roots[k] in dset
+        ) | frozenset(sig.refbuf_idx)
         self.get_donated = _getter(self.donated_ks)
         self.get_kept = _getter(self.kept_ks)
         self.get_args = _getter(self.arg_ks)
@@ -151,8 +183,8 @@ class _Plan:
         self.out_placement: Any = None
         self.replicated: Any = None
         self.global_ks: tuple[int, ...] = ()
-        if mesh is not None:
-            self._place_on(mesh, carry, dyn)
+        if owner.placement is not None:
+            self._place_on(owner.placement, leaves, dyn)
             pl = self.placement
             jit_kwargs["in_shardings"] = tuple(
                 [pl[k] for k in ks] for ks in (donated, self.kept_ks, self.arg_ks)
@@ -162,34 +194,34 @@ class _Plan:
             # tracing: explicit output shardings let JAX pair donated inputs with
             # their own outputs (XLA, left to choose, may pair one with a ref's).
             outs = [
-                self.out_placement.get(i, self.replicated)
-                for i in range(layout.n_carry)
+                self.out_placement.get(i, self.replicated) for i in range(sig.n_carry)
             ]
             jit_kwargs["out_shardings"] = ((outs, self.replicated), None)
-        impl = self._impl
-        self.fn = jax.jit(
-            _named(impl, owner.name),
-            donate_argnums=(0,) if donated else (),
-            **jit_kwargs,
-        )
 
-    def _place_on(self, mesh: Any, carry: Any, dyn: list) -> None:
+        def impl(donated: list, kept: list, argdyn: list, refs: list) -> Any:
+            return self._impl(donated, kept, argdyn, refs)
+
+        impl.__name__ = impl.__qualname__ = owner.name  # shown in logs and profiles
+        self.fn = jax.jit(impl, donate_argnums=(0,) if donated else (), **jit_kwargs)
+
+    def _place_on(self, placement: Any, leaves: list, dyn: list) -> None:
         """Where each array goes on the mesh (`placement`, one per array), what each
         carry output is constrained to (`out_placement`, by carry position), and
         which arguments must already be global arrays (several processes)."""
         from jax.sharding import NamedSharding, PartitionSpec
 
-        layout = self.layout
-        leaves = jax.tree_util.tree_leaves(carry)
-        full = self.owner.mesh_placement(carry)
+        sig = self.sig
+        carry = sig.carry_treedef.unflatten(leaves[: sig.n_carry])
+        full = placement.carry(carry)
+        mesh = placement.mesh
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.placement = [
-            full[i] if i < layout.n_carry else self.owner.arg_placement(x)
-            for i, x in zip(layout.dyn_idx, dyn)
+            full[i] if i < sig.n_carry else placement.arg(x)
+            for i, x in zip(sig.dyn_idx, dyn)
         ]
         self.out_placement = {i: s for i, s in enumerate(full) if s is not None}
-        for i in layout.ref_idx:  # a ref cannot move: it must be there already
-            ref, want = leaves[i], full[i]
+        for i in (*sig.ref_idx, *sig.refbuf_idx):  # a ref cannot move
+            ref, want = leaves[i], full[i] if i < sig.n_carry else None
             if want is None or isinstance(ref, Tracer):
                 continue
             if not ref.sharding.is_equivalent_to(want, len(ref.shape)):
@@ -238,39 +270,41 @@ class _Plan:
         return dyn
 
     def _impl(self, donated: list, kept: list, argdyn: list, refs: list) -> Any:
-        owner, layout = self.owner, self.layout
+        owner, sig = self.owner, self.sig
         owner.trace_count += 1
         owner.note_trace(self, argdyn)
-        n = len(layout.dyn_idx)
+        n = len(sig.dyn_idx)
         dyn: list[Any] = [None] * n
-        for ks, xs in ((self.donated_ks, donated), (self.kept_ks, kept)):
+        for ks, xs in (
+            (self.donated_ks, donated),
+            (self.kept_ks, kept),
+            (self.arg_ks, argdyn),
+        ):
             for k, x in zip(ks, xs):
                 dyn[k] = x
-        for k, x in zip(self.arg_ks, argdyn):
-            dyn[k] = x
         if self.alias is not None:
             dyn = [dyn[a] for a in self.alias]
-        leaves: list[Any] = [None] * layout.n_leaves
-        for i, x in zip(layout.dyn_idx, dyn):
-            leaves[i] = x
-        for i, x in zip(layout.ref_idx, refs):
-            leaves[i] = x
-        for i, x in zip(layout.static_idx, self.statics):
-            leaves[i] = x
-        carry, args, kwargs = jax.tree_util.tree_unflatten(layout.treedef, leaves)
-        new_carry, result = owner.fn(carry, args, kwargs)
+        leaves: list[Any] = [None] * sig.n_leaves
+        for idx, xs in (
+            (sig.dyn_idx, dyn),
+            (sig.ref_idx, refs),
+            (sig.static_idx, self.statics),
+        ):
+            for i, x in zip(idx, xs):
+                leaves[i] = x
+        new_carry, result = owner.fn(*sig.unflatten(leaves))
         out_leaves, out_treedef = jax.tree_util.tree_flatten(new_carry)
-        if out_treedef != layout.carry_treedef:
+        if out_treedef != sig.carry_treedef:
             raise StepError(
                 "The call changed the structure of the model or optimizer state "
-                f"(before: {layout.carry_treedef}, after: {out_treedef}). The "
+                f"(before: {sig.carry_treedef}, after: {out_treedef}). The "
                 "optimizer must keep the structure of its state, and the function "
                 "must not replace the model's modules or cells."
             )
         ret, ret_pos, static_out = [], [], []
-        slots: list[Any] = [None] * layout.n_carry  # on a mesh, see `__init__`
-        ref_pos = set(layout.ref_idx)
-        for i, (o, inp) in enumerate(zip(out_leaves, leaves[: layout.n_carry])):
+        slots: list[Any] = [None] * sig.n_carry  # on a mesh, see `__init__`
+        ref_pos = set(sig.ref_idx)
+        for i, (o, inp) in enumerate(zip(out_leaves, leaves[: sig.n_carry])):
             if i in ref_pos:
                 if o is not inp:
                     raise StepError(
@@ -278,7 +312,7 @@ class _Plan:
                         "model keeps its refs (they are written in place)."
                     )
                 continue
-            if o is inp and i not in self.donated_pos:
+            if o is inp and i not in self.returned_pos:
                 continue  # unchanged: the caller's own leaf is the output
             if isinstance(o, jax.Array):
                 # Returned as computed, weak type included (as `eqx.filter_jit`):
@@ -312,19 +346,11 @@ class _Plan:
         return [ret[i] for i in spec.ret_pos]
 
 
-def _named(fn: Callable, name: str) -> Callable:
-    """`fn` under `name`, which JAX shows in compilation logs and profiles."""
-
-    def named(*args: Any) -> Any:
-        return fn(*args)
-
-    named.__name__ = named.__qualname__ = name
-    return named
-
-
 class Compiled:
     """A pure function `fn(carry, args, kwargs) -> (new_carry, result)` compiled
-    with `jax.jit` (see the module docstring).
+    with `jax.jit` (see the module docstring). Every runner (a step, its scan, the
+    owned loop, an apply) calls it through `call_flat`: one path, so each check
+    holds for all of them.
 
     **Arguments:**
 
@@ -335,6 +361,9 @@ class Compiled:
         carry: which positions `fn` replaces and may therefore consume.
     - `jit_kwargs`: passed to `jax.jit`.
     - `name`: the name of the compiled function in JAX's logs and profiles.
+    - `placement`: where arrays go on a mesh (`_sharding.Placement`), or None.
+    - `warn_recompile`: warn when array arguments change shape (a new `K` of a scan
+        compiles again by design: no warning there).
     """
 
     def __init__(
@@ -345,18 +374,21 @@ class Compiled:
         donate_policy: Callable[[tuple], list[bool]],
         jit_kwargs: dict[str, Any],
         name: str = "eqx_state_call",
+        placement: Any = None,
+        warn_recompile: bool = True,
     ):
         self.fn = fn
         self.name = name
         self.donate = donate
         self.donate_policy = donate_policy
         self.jit_kwargs = jit_kwargs
-        self.mesh: Any = None
+        self.placement = placement
+        self.mesh: Any = None if placement is None else placement.mesh
         self.trace_count = 0
         self._warned = False
-        self.warn_recompile = True
-        self._layouts: dict[Any, Any] = {}
-        self._by_kinds: dict[Any, _Layout] = {}
+        self._warned_numbers = False
+        self.warn_recompile = warn_recompile
+        self._signatures: dict[Any, Any] = {}
 
     def note_trace(self, plan: _Plan, argdyn: list) -> None:
         """At trace time: warn once when a plan is traced again because its array
@@ -378,93 +410,161 @@ class Compiled:
             stacklevel=2,
         )
 
-    def mesh_placement(self, carry: tuple) -> list[Any]:
-        raise NotImplementedError  # pragma: no cover - only steps have a mesh
-
-    def arg_placement(self, x: Any) -> Any:
-        raise NotImplementedError  # pragma: no cover - only steps have a mesh
-
-    def _layout(self, leaves: list, treedef: Any, carry: tuple) -> _Layout:
+    def _signature(self, carry_leaves: list, carry_td: Any, leaves: list, arg_td):
         types = tuple(map(type, leaves))
-        key = (treedef, types)
-        layout: Any = self._layouts.get(key)
-        if layout is None:
+        key = (carry_td, arg_td, types)
+        sig: Any = self._signatures.get(key)
+        if sig is None:
             if any(issubclass(t, Tracer) for t in types):
-                layout = self._layouts[key] = _AMBIGUOUS
+                sig = self._signatures[key] = _AMBIGUOUS
             else:
-                kinds = tuple(map(_kind, leaves))
-                layout = self._layouts[key] = _Layout(
-                    treedef, kinds, carry, self.donate_policy
+                sig = self._signatures[key] = _Signature(
+                    carry_td,
+                    arg_td,
+                    list(map(_kind, leaves)),
+                    carry_leaves,
+                    self.donate_policy,
                 )
-        if layout is _AMBIGUOUS:
+        if sig is _AMBIGUOUS:
             # Under an outer transformation leaves are tracers, and a tracer may be
-            # an array or a ref: classify each one.
-            kinds = tuple(map(_kind, leaves))
-            layout = self._by_kinds.get((treedef, kinds))
-            if layout is None:
-                layout = self._by_kinds[(treedef, kinds)] = _Layout(
-                    treedef, kinds, carry, self.donate_policy
+            # an array or a ref: classify each one. A concrete ref closed over by
+            # the outer trace is passed as a ref: the trace writes it.
+            kinds = [_REF if k == _REFBUF else k for k in map(_kind, leaves)]
+            key = (carry_td, arg_td, tuple(kinds))
+            sig = self._signatures.get(key)
+            if sig is None:
+                sig = self._signatures[key] = _Signature(
+                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy
                 )
-        return layout
+        return sig
 
     def lower(self, carry: tuple, args: tuple, kwargs: dict) -> Any:
         """`jax.jit(...).lower` for the call `call(carry, args, kwargs)` would make:
         the compiled program, for inspection (`.as_text()`,
         `.compile().memory_analysis()`). Runs nothing and donates nothing."""
-        return self.call(carry, args, kwargs, lower=True)
+        leaves, treedef = jax.tree_util.tree_flatten(carry)
+        return self.call_flat(leaves, treedef, args, kwargs, lower=True)
 
-    def call(self, carry: tuple, args: tuple, kwargs: dict, lower: bool = False) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((carry, args, kwargs))
-        layout = self._layout(leaves, treedef, carry)
-        dyn = layout.get_dyn(leaves)
-        refs = layout.get_refs(leaves)
-        statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
+    def call(self, carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
+        """`fn(carry, args, kwargs)`, compiled: `(new_carry, result)`."""
+        leaves, treedef = jax.tree_util.tree_flatten(carry)
+        new_leaves, result = self.call_flat(leaves, treedef, args, kwargs)
+        return treedef.unflatten(new_leaves), result
+
+    def call_flat(
+        self,
+        carry_leaves: list,
+        carry_td: Any,
+        args: tuple,
+        kwargs: dict,
+        lower: bool = False,
+    ) -> Any:
+        """The call on a flattened carry: returns the new carry's leaves and the
+        result. The one path of every runner (see the module docstring)."""
+        arg_leaves, arg_td = jax.tree_util.tree_flatten((args, kwargs))
+        leaves = [*carry_leaves, *arg_leaves]
+        sig = self._signature(carry_leaves, carry_td, leaves, arg_td)
+        dyn = sig.get_dyn(leaves)
+        refs = sig.get_refs(leaves)
+        if sig.refbuf_ks:
+            n_refs = len(refs) + len(sig.refbuf_ks)
+            if (
+                n_refs > 1
+                and len({id(leaves[i]) for i in (*sig.ref_idx, *sig.refbuf_idx)})
+                != n_refs
+            ):
+                check_no_shared_refs(sig.unflatten(leaves))
+            for k in sig.refbuf_ks:  # a ref-mode cell runs as a value-mode one
+                dyn[k] = ref_buffer(dyn[k])
+        elif len(refs) > 1 and len(set(map(id, refs))) != len(refs):
+            check_no_shared_refs(sig.unflatten(leaves))
+        statics = tuple(sig.get_static(leaves)) if sig.static_idx else ()
         # Aliasing, for donation only (the same buffer cannot be donated twice):
         # results never depend on it.
         alias = None
         if len(set(map(id, dyn))) != len(dyn):
             first: dict[int, int] = {}
             alias = tuple(first.setdefault(id(x), k) for k, x in enumerate(dyn))
-        if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
-            check_no_shared_refs((carry, args, kwargs))
-        mesh = self.mesh
         pkey = (
-            (statics, alias) if mesh is None else (statics, alias, _where(dyn, layout))
+            (statics, alias)
+            if self.mesh is None
+            else (statics, alias, _where(dyn, sig))
         )
         try:
-            plan = layout.plans.get(pkey)
+            plan = sig.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
-            raise StepError(_unhashable_message(carry, args, kwargs)) from e
+            raise StepError(_unhashable_message(*sig.unflatten(leaves))) from e
         if plan is None:
-            plan = layout.plans[pkey] = _Plan(
-                self, layout, statics, alias, dyn, mesh, carry
-            )
-        if plan.placement is not None:
-            dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
-        elif refs:
-            dyn = _committed(dyn)
-        inputs = (plan.get_donated(dyn), plan.get_kept(dyn), plan.get_args(dyn), refs)
-        if lower:
-            return plan.fn.lower(*inputs)
+            if sig.plans and statics:
+                self._note_numbers(sig, statics, leaves)
+            plan = sig.plans[pkey] = _Plan(self, sig, statics, alias, dyn, leaves)
         try:
+            if plan.placement is not None:
+                dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
+            elif refs or sig.refbuf_ks:
+                dyn = _committed(dyn)
+            inputs = (
+                plan.get_donated(dyn),
+                plan.get_kept(dyn),
+                plan.get_args(dyn),
+                refs,
+            )
+            if lower:
+                return plan.fn.lower(*inputs)
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
             _reraise(e, dyn)
-            if mesh is not None:
-                explain_sharding_error(e, mesh)
-                if refs:
-                    _check_refs_on_mesh(e, refs, mesh)
+            if self.mesh is not None:
+                explain_sharding_error(e, self.mesh)
+                _check_refs_on_mesh(
+                    e, [*refs, *(leaves[i] for i in sig.refbuf_idx)], self.mesh
+                )
             raise
         spec = spec.value
-        out = leaves[: layout.n_carry]
+        out = list(carry_leaves)
         for i, x in zip(spec.ret_pos, plan.returned(ret, spec)):
             out[i] = x
         for i, v in spec.static_out:
             out[i] = v
-        new_carry = layout.carry_treedef.unflatten(out)
+        for i in sig.refbuf_idx:  # the new arrays go back into their refs
+            ref, new = carry_leaves[i], out[i]
+            if isinstance(new, Tracer):  # staged into an outer trace
+                ref[...] = new
+            else:
+                set_ref_buffer(ref, new)
+            out[i] = ref
         if spec.result_static is None:
-            return new_carry, result_dyn
-        return new_carry, eqx.combine(result_dyn, spec.result_static)
+            return out, result_dyn
+        return out, eqx.combine(result_dyn, spec.result_static)
+
+    def _note_numbers(self, sig: _Signature, statics: tuple, leaves: list) -> None:
+        """A new plan for a signature that has one: warn (once) when a static
+        Python number keeps changing (a float learning rate set between steps
+        compiles the step at every change)."""
+        changing = []
+        for j, v in zip(sig.static_idx, statics):
+            if isinstance(v, bool) or not isinstance(v, (int, float, complex)):
+                continue
+            seen = sig.numbers_seen.setdefault(j, [])
+            if v not in seen:
+                seen.append(v)
+            if len(seen) >= 3:
+                changing.append(j)
+        if not changing or self._warned_numbers:
+            return
+        self._warned_numbers = True
+        names = _leaf_names(sig.unflatten(leaves), changing)
+        warnings.warn(
+            f"`{self.name}` is compiled again at every change of "
+            f"{', '.join(names)}: a Python number is static (part of the "
+            "compilation key, as in `eqx.filter_jit`), so each new value compiles "
+            "the step again. Make it an array, e.g. "
+            "`opt_state.hyperparams['learning_rate'] = jnp.asarray(lr)` with "
+            "`optax.inject_hyperparams`, to change it without compiling. This "
+            "warning is shown once per step (`eqx_state.RecompileWarning`).",
+            RecompileWarning,
+            stacklevel=3,
+        )
 
 
 _AMBIGUOUS = object()
@@ -473,15 +573,14 @@ _AMBIGUOUS = object()
 class Owned:
     """A carry handed over to a `Compiled` for a run of calls: it is flattened once,
     kept as flat arrays between calls, and rebuilt only on `release()`. Each call
-    still reads its arguments; the carry is read once, when it is handed over, so
-    it must not be changed meanwhile (its donated arrays are consumed by the first
-    call, so a stale use of it raises)."""
+    goes through `Compiled.call_flat`, as every other call does, and reads its
+    arguments; the carry is read once, when it is handed over, so it must not be
+    changed meanwhile (its donated arrays are consumed by the first call, so a stale
+    use of it raises)."""
 
     def __init__(self, compiled: Compiled, carry: tuple):
         self._compiled = compiled
         self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
-        self._carry = carry  # until the first call: what a layout is built from
-        self._cache: tuple[Any, Any, Any] | None = None
         self._released = False
 
     def call(self, args: tuple, kwargs: dict) -> Any:
@@ -490,62 +589,10 @@ class Owned:
                 "This loop was released: it no longer holds the model. Call "
                 "`step.own(model, opt_state)` again with what `release()` returned."
             )
-        c = self._compiled
-        arg_leaves, args_td = jax.tree_util.tree_flatten((args, kwargs))
-        leaves = [*self._leaves, *arg_leaves]
-        types = tuple(map(type, leaves))
-        cached = self._cache
-        if cached is not None and cached[0] == (args_td, types):
-            layout, plan = cached[1], cached[2]
-            statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
-            if statics != plan.statics:
-                plan = None
-        else:
-            plan = None
-        if plan is None:
-            carry = jax.tree_util.tree_unflatten(self._treedef, self._leaves)
-            treedef = jax.tree_util.tree_structure((carry, args, kwargs))
-            layout = c._layout(leaves, treedef, carry)
-            statics = tuple(layout.get_static(leaves)) if layout.static_idx else ()
-            dyn = layout.get_dyn(leaves)
-            if len(set(map(id, dyn))) != len(dyn):  # aliasing: take the general path
-                new_carry, result = c.call(carry, args, kwargs)
-                self._leaves = jax.tree_util.tree_leaves(new_carry)
-                self._cache = None
-                return result
-            key = (
-                (statics, None)
-                if c.mesh is None
-                else (statics, None, _where(dyn, layout))
-            )
-            plan = layout.plans.get(key)
-            if plan is None:
-                plan = layout.plans[key] = _Plan(
-                    c, layout, statics, None, dyn, c.mesh, carry
-                )
-            self._cache = ((args_td, types), layout, plan)
-        dyn = layout.get_dyn(leaves)
-        if plan.placement is not None:
-            dyn = plan.put(dyn)
-        refs = layout.get_refs(leaves)
-        try:
-            (ret, result_dyn), spec = plan.fn(
-                plan.get_donated(dyn), plan.get_kept(dyn), plan.get_args(dyn), refs
-            )
-        except Exception as e:
-            _reraise(e, dyn)
-            if c.mesh is not None:
-                explain_sharding_error(e, c.mesh)
-            raise
-        spec = spec.value
-        out = self._leaves
-        for i, x in zip(spec.ret_pos, plan.returned(ret, spec)):
-            out[i] = x
-        for i, v in spec.static_out:
-            out[i] = v
-        if spec.result_static is None:
-            return result_dyn
-        return eqx.combine(result_dyn, spec.result_static)
+        self._leaves, result = self._compiled.call_flat(
+            self._leaves, self._treedef, args, kwargs
+        )
+        return result
 
     def release(self) -> tuple:
         """The carry, rebuilt from the arrays the last call returned."""
@@ -586,7 +633,7 @@ def _indivisible_message(x: Any, sharding: Any) -> str | None:
     return None
 
 
-def _where(dyn: list, layout: _Layout) -> tuple:
+def _where(dyn: list, layout: _Signature) -> tuple:
     """What decides where the arrays go on a mesh: the shapes of the carry's (a
     layout rule may look at them), the number of dimensions of the arguments'."""
     n = layout.n_carry
@@ -599,6 +646,25 @@ def _leaf_path(carry: tuple, i: int) -> str:
     """The path of a cell's leaf in the model (the first item of the carry)."""
     path = path_str(jax.tree_util.tree_flatten_with_path(carry)[0][i][0][1:])
     return path.removesuffix(".value")
+
+
+def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
+    """Readable names of some leaves of `(carry, args, kwargs)`: `opt_state...`,
+    `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    carry = tree[0]
+    roots = ["model", "opt_state"] if len(carry) == 2 else ["model"]
+    names = []
+    for j in positions:
+        path = flat[j][0]
+        if path[0].idx == 0:  # type: ignore[attr-defined]
+            head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"  # type: ignore[attr-defined]
+            names.append(f"`{head}{jax.tree_util.keystr(path[2:])}`")
+        elif path[0].idx == 1:  # type: ignore[attr-defined]
+            names.append(f"`args{jax.tree_util.keystr(path[1:])}`")
+        else:
+            names.append(f"`kwargs{jax.tree_util.keystr(path[1:])}`")
+    return names
 
 
 def _local_batch_message(x: Any, sharding: Any) -> str:
@@ -618,12 +684,30 @@ def _local_batch_message(x: Any, sharding: Any) -> str:
 
 
 def _reraise(e: Exception, dyn: list) -> None:
+    """Say what went wrong in a failed compiled call: a check in the program that
+    fired (`eqx.error_if`), an input consumed by an earlier call (a stale model), or
+    else the error itself, with a note when this call consumed its inputs."""
     eqx_error = equinox_runtime_error(e)
+    deleted = any(
+        isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+        for x in dyn
+    )
     if eqx_error is not None:  # a check in the program fired: say which
+        if deleted:
+            eqx_error.add_note(_CONSUMED_NOTE)
         raise eqx_error from None
-    for x in dyn:
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
-            raise StaleModelError(stale_message("model or optimizer state")) from e
+    if is_deleted_array_error(e) and deleted:  # consumed before this call
+        raise StaleModelError(stale_message("model or optimizer state")) from e
+    if deleted:  # the program failed after its inputs were donated to it
+        e.add_note(_CONSUMED_NOTE)
+
+
+_CONSUMED_NOTE = (
+    "eqx_state: this call donated the model's (and optimizer state's) buffers to "
+    "the compiled program, which failed, so they are consumed. Restore them from a "
+    "checkpoint, or build the step with `donate=False` to keep them valid while "
+    "debugging."
+)
 
 
 def _check_refs_on_mesh(e: Exception, refs: list, mesh: Any) -> None:

@@ -51,3 +51,8 @@ class RecompileWarning(UserWarning):
     dtypes (e.g. a ragged last batch), or for a changed Python number (e.g. a float
     learning rate). Filter it with `warnings.simplefilter("ignore",
     es.RecompileWarning)` when that is intended."""
+
+
+class ReadOnlyError(EqxStateError, AttributeError):
+    """An attribute that cannot be changed after construction (a step's
+    optimizer, loss function, ...)."""

@@ -62,10 +62,11 @@ def _witness(v: Any) -> jax.Array:
         return jnp.zeros(shape, _WITNESS_DTYPE)
     w = jnp.zeros(shape, _WITNESS_DTYPE)
     sharding = getattr(v, "sharding", None)
-    if (
-        isinstance(sharding, jax.sharding.NamedSharding)
-        and len(sharding.device_set) > 1
+    if isinstance(
+        sharding, jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding
     ):
+        # committed where the cell is, as the cell's ref is: a compiled call takes
+        # the witness as it is (an uncommitted one would be moved at every call)
         w = jax.device_put(w, sharding)
     return w
 
@@ -201,14 +202,20 @@ def freeze(model: Any) -> Any:
     return _map_cells_with_path(one, model)
 
 
-def thaw(model: Any) -> tuple[Any, list[Buffer | None], dict[int, str]]:
+def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     """Inside a step or apply: give every value-mode cell a ref created here (in the
     trace, or eagerly under a plain `es.apply`). Returns the thawed model; for each
-    cell in flattening order, `None` if its ref was made here, else the cell as it
-    was given (a ref-mode cell, handed back unchanged by `refreeze`); and the path
-    of every cell by its ref (see `named_cells`)."""
+    cell in flattening order, a `Made` (its ref was made here; it keeps the witness
+    the cell came with) or the cell as it was given (a ref-mode cell, handed back
+    unchanged by `refreeze`); and the path of every cell by its ref (see
+    `named_cells`).
+
+    A compiled call runs a concrete ref-mode cell as a value-mode one: its ref's
+    array (and its witness) go in, the new array comes out and is put back into the
+    same ref (`_dispatch`); such a cell comes here with an array and a witness, and
+    leaves with the new array and the same witness, so its structure is kept."""
     check_no_shared_refs(model)
-    record: list[Buffer | None] = []
+    record: list[Buffer | Made] = []
     paths: dict[int, str] = {}
 
     def one(path: str, buf: Buffer) -> Buffer:
@@ -218,25 +225,37 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | None], dict[int, str]]:
             record.append(buf)
             paths[id(v)] = f"`{path}` (ref mode)"
             return buf
-        record.append(None)
+        record.append(Made(buf.witness))
         ref = jax.new_ref(v, kind=REF_KIND)
-        # refs are mutable objects: identity names them
-        paths[id(ref)] = f"`{path}` (value mode)"
+        # refs are mutable objects: identity names them; a cell that comes with a
+        # witness is a ref-mode cell run as a value-mode one (see above)
+        mode = "value" if buf.witness is None else "ref"
+        paths[id(ref)] = f"`{path}` ({mode} mode)"
         return _rebuild(buf, value=ref, witness=_witness(v))
 
     thawed = _map_cells_with_path(one, model)
     return thawed, record, paths
 
 
-def refreeze(thawed: Any, record: list[Buffer | None]) -> Any:
+class Made:
+    """A cell whose ref `thaw` made; `witness` is what the cell came with (None in
+    value mode)."""
+
+    __slots__ = ("witness",)
+
+    def __init__(self, witness: Any):
+        self.witness = witness
+
+
+def refreeze(thawed: Any, record: list[Buffer | Made]) -> Any:
     """Undo `thaw`: freeze exactly the refs it made, giving back value-mode cells,
     and give back ref-mode cells as they came."""
     it = iter(record)
 
     def one(path: str, buf: Buffer) -> Buffer:
         original = next(it)
-        if original is None:
-            return _rebuild(buf, value=jax.freeze(buf.value), witness=None)
+        if isinstance(original, Made):
+            return _rebuild(buf, value=jax.freeze(buf.value), witness=original.witness)
         return original
 
     out = _map_cells_with_path(one, thawed)

@@ -19,12 +19,11 @@ import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
 from ._errors import StepError
-from ._modes import refreeze, thaw, without_witnesses
+from ._modes import Made, refreeze, thaw, without_witnesses
 
 
 def train_step(
-    model: Any,
-    opt_state: Any,
+    carry: tuple[Any, Any],
     args: tuple,
     kwargs: dict,
     *,
@@ -33,11 +32,12 @@ def train_step(
     has_aux: bool,
     trainable: Any = None,
     microbatches: int | None = None,
-) -> tuple[Any, Any, jax.Array, Any]:
-    """One training step: returns `(model, opt_state, loss, aux)`."""
+) -> tuple[tuple[Any, Any], tuple[jax.Array, Any]]:
+    """One training step: `(model, opt_state), (loss, aux)`."""
+    model, opt_state = carry
     mask = trainable_mask(model, trainable)
-    model, made, paths = thaw(model)  # value-mode cells -> refs created here
-    diff, rest = eqx.partition(model, mask, is_leaf=is_state)
+    thawed, made, paths = thaw(model)  # value-mode cells -> refs created here
+    diff, rest = eqx.partition(thawed, mask, is_leaf=is_state)
 
     def loss(diff, *args, **kwargs):
         out = loss_fn(eqx.combine(diff, rest, is_leaf=is_state), *args, **kwargs)
@@ -50,10 +50,16 @@ def train_step(
             (value, aux), grads = grad_fn(diff, *args, **kwargs)
         else:
             (value, aux), grads = _accumulate(grad_fn, diff, args, kwargs, microbatches)
-    updates, opt_state = optimizer.update(grads, opt_state, diff)
+    refuse_cells_out(aux, thawed, made, "make_step(..., has_aux=True): `aux`")
+    if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        # optax's extra arguments: an optimizer that needs the loss (e.g.
+        # `optax.contrib.reduce_on_plateau`) takes it as `value`
+        updates, opt_state = optimizer.update(grads, opt_state, diff, value=value)
+    else:
+        updates, opt_state = optimizer.update(grads, opt_state, diff)
     diff = optax.apply_updates(diff, updates)
     model = refreeze(eqx.combine(diff, rest, is_leaf=is_state), made)
-    return model, opt_state, value, aux
+    return (model, opt_state), (value, aux)
 
 
 def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
@@ -61,18 +67,26 @@ def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) ->
     thawed, made, paths = thaw(model)
     with named_cells(paths), _cond_note():
         out = fn(thawed, *args, **kwargs)
+    refuse_cells_out(out, thawed, made, "`apply(fn, model, ...)`: `fn`'s output")
+    return out, refreeze(thawed, made)
+
+
+def refuse_cells_out(out: Any, thawed: Any, made: list, what: str) -> None:
+    """Refuse an output that holds a state cell's ref made for this call: it would
+    leave the call as a dead trace value. One check for every runner."""
     ours = [
         c.value
         for c, original in zip(_cells(thawed), made)
-        if original is None  # refs made by `thaw`
+        if isinstance(original, Made)  # refs made by `thaw`
     ]
-    for leaf in jax.tree_util.tree_leaves(out):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if _is_ref(leaf) and any(leaf is r for r in ours):
             raise StepError(
-                "`apply(fn, model, ...)`: `fn` returned a state cell's ref. Return "
-                "values (`buf[...]`), not cells; the new model is returned by `apply`."
+                f"{what} holds a state cell (at `{jax.tree_util.keystr(path)}` of "
+                "it): cells live in the model, which the call returns. Return "
+                "values (`cell[...]`, e.g. `m.bn.running_mean[...]`), not cells or "
+                "modules that hold them."
             )
-    return out, refreeze(thawed, made)
 
 
 @contextlib.contextmanager
@@ -180,14 +194,21 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
     """Gradients averaged over `k` slices of the batch, accumulated in the carry of a
     `lax.scan` (in place); state writes land once per slice."""
     batch, static = eqx.partition((args, kwargs), eqx.is_array)
+    n = leading_axis(
+        batch,
+        f"make_step(..., microbatches={k}) splits every array argument into {k} "
+        "slices along its leading axis (the batch)",
+        "Pass an array that is not a batch (class weights, a mask over features) "
+        "through a closure (`functools.partial(loss_fn, weights=w)`) or as a field "
+        "of the model, where it is not split.",
+    )
+    if n % k:
+        raise StepError(
+            f"make_step(..., microbatches={k}): the batch of {n} examples does not "
+            f"split into {k} equal microbatches. Use a batch of a multiple of {k}."
+        )
 
     def split(x):
-        if jnp.ndim(x) == 0 or x.shape[0] % k:
-            raise StepError(
-                f"make_step(..., microbatches={k}): every array argument must be a "
-                f"batch whose leading axis divides by {k}; got shape {jnp.shape(x)}. "
-                "Pass non-batch arrays through a closure, or as Python values."
-            )
         shape = (k, x.shape[0] // k, *x.shape[1:])
         sharding = jax.typeof(x).sharding
         spec = getattr(sharding, "spec", ())
@@ -229,6 +250,35 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
     return (jnp.mean(values), aux), grads
 
 
+class NeedsFirstCall(StepError):
+    """Raised while tracing a scan whose first call turns a Python number of the
+    carry into an array: a scan's carry keeps one type, so the runner makes the
+    first call on its own and scans the others (`run_scan`), which equals `K` calls.
+    Never reaches the user."""
+
+
+def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> Any:
+    """`K` calls of `one` (a compiled call) as one call of `scan` (the same calls in
+    a `lax.scan`): `(carry, outs)` with `outs` stacked. Where the scan cannot carry
+    the first call's input types (`NeedsFirstCall`), the first call runs on its own
+    and the other `K - 1` in the scan: the same `K` calls."""
+    try:
+        return scan.call(carry, args, kwargs)
+    except NeedsFirstCall:
+        pass
+    batch, static = eqx.partition((args, kwargs), eqx.is_array)
+    first = eqx.combine(jax.tree.map(lambda x: x[0], batch), static)
+    carry, out0 = one.call(carry, *first)
+    if next(iter(jax.tree.leaves(batch))).shape[0] == 1:
+        return carry, jax.tree.map(lambda x: x[None], out0)
+    rest = eqx.combine(jax.tree.map(lambda x: x[1:], batch), static)
+    carry, outs = scan.call(carry, *rest)
+    arrays0, _ = eqx.partition(out0, eqx.is_array)
+    arrays, out_static = eqx.partition(outs, eqx.is_array)
+    stacked = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), arrays0, arrays)
+    return carry, eqx.combine(stacked, out_static)
+
+
 def scan_calls(
     call: Callable[[tuple, tuple, dict], tuple[tuple, Any]],
     carry: tuple,
@@ -246,15 +296,12 @@ def scan_calls(
     every iteration."""
     arrays, static = eqx.partition(carry, eqx.is_array)
     batch, static_args = eqx.partition((args, kwargs), eqx.is_array)
-    lengths = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if not lengths or None in lengths or len(lengths) != 1:
-        raise StepError(
-            "`scan` runs one call per slice of its array arguments' leading axis: "
-            "every array argument needs that axis, of one length K (got leading "
-            f"axes {sorted(map(str, lengths)) or 'none: no array argument'}). Pass "
-            "values that are the same for every call as Python values, or repeat "
-            "them K times."
-        )
+    leading_axis(
+        batch,
+        "`scan` runs one call per slice of its array arguments' leading axis (K)",
+        "Pass values that are the same for every call through a closure or as "
+        "Python values, or repeat them K times.",
+    )
     out_static: list[Any] = []
 
     def body(arrays: Any, piece: Any) -> tuple[Any, Any]:
@@ -262,6 +309,11 @@ def scan_calls(
         new, out = call(eqx.combine(arrays, static), a, k)
         new_arrays, new_static = eqx.partition(new, eqx.is_array)
         if jax.tree.structure(new_arrays) != jax.tree.structure(arrays):
+            if jax.tree.structure(new) == jax.tree.structure(carry):
+                # a Python number of the carry comes back as an array (a float
+                # hyperparameter of `optax.inject_hyperparams`): the first call
+                # runs on its own, the others in the scan (see `NeedsFirstCall`)
+                raise NeedsFirstCall()
             raise StepError(
                 "A call inside `scan` changed the structure of the model or the "
                 "optimizer state; `scan` carries them from one call to the next."
@@ -297,6 +349,32 @@ def scan_calls(
 
     arrays, outs = jax.lax.scan(body, arrays, batch, unroll=unroll)
     return eqx.combine(arrays, static), eqx.combine(outs, out_static[-1])
+
+
+def leading_axis(batch: tuple, what: str, fix: str) -> int:
+    """The one length of the leading axis of every array in `batch` (an `(args,
+    kwargs)` tree of arrays), or a `StepError` that names the arguments that differ.
+    One check for every runner that splits its arguments (scan, microbatches)."""
+    groups: dict[Any, list[str]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        n = jnp.shape(x)[0] if jnp.ndim(x) else None
+        head, rest = path[0], path[1:]
+        name = ("args" if head.idx == 0 else "kwargs") + jax.tree_util.keystr(rest)
+        groups.setdefault(n, []).append(f"`{name}` {tuple(jnp.shape(x))}")
+    if len(groups) == 1 and None not in groups:
+        return next(iter(groups))
+    if not groups:
+        got = "no array argument"
+    else:
+        got = "; ".join(
+            f"{'no leading axis' if n is None else f'leading axis {n}'}: "
+            + ", ".join(names)
+            for n, names in groups.items()
+        )
+    raise StepError(
+        f"{what}: every array argument needs that axis, of one length. Got {got} "
+        f"(`args` counts the arguments after the model). {fix}"
+    )
 
 
 def _paired(a: Any, b: Any) -> list[tuple[str, tuple[Any, Any]]]:

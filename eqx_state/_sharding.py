@@ -287,6 +287,33 @@ def place(model: Any, mesh: Mesh, layout: Layout = None) -> Any:
     )
 
 
+class Placement:
+    """Where a step's arrays go on its mesh, handed to the compiled call as data:
+    the model by `layout` (replicated by default), the optimizer state like its
+    parameters, an array argument sharded over `data_axis` on its batch axis
+    (`batch_axis`: 0 for a step, 1 for its scan, whose arguments are `[K, batch,
+    ...]`), or replicated when it has none."""
+
+    def __init__(self, mesh: Any, layout: Layout, data_axis: str, batch_axis: int):
+        self.mesh = mesh
+        self.layout = layout
+        self.data_axis = data_axis
+        self.batch_axis = batch_axis
+
+    def carry(self, carry: tuple) -> list[Any]:
+        """One sharding (or None: not an array) per leaf of `(model, opt_state)`."""
+        model, opt_state = carry
+        model_sh, opt_sh = carry_shardings(model, opt_state, self.mesh, self.layout)
+        return [*model_sh, *opt_sh]
+
+    def arg(self, x: Any) -> Any:
+        """Where an array argument goes."""
+        if np.ndim(x) > self.batch_axis:
+            spec = (None,) * self.batch_axis + (self.data_axis,)
+            return NamedSharding(self.mesh, PartitionSpec(*spec))
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
 def place_carry(model: Any, opt_state: Any, mesh: Any, layout: Layout) -> tuple:
     """`(model, opt_state)` placed as a step with this mesh and layout takes them."""
     model_sh, opt_sh = carry_shardings(model, opt_state, mesh, layout)

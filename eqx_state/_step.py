@@ -10,14 +10,13 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 import optax
 
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
-from ._errors import StateValueError
-from ._pure import apply_call, scan_calls, train_step, trainable_mask
-from ._sharding import Layout, carry_shardings, layout_rule, place, place_carry
+from ._errors import ReadOnlyError, StateValueError
+from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
+from ._sharding import Layout, Placement, layout_rule, place, place_carry
 
 
 class Step:
@@ -26,8 +25,21 @@ class Step:
     Call it as `model, opt_state = step(model, opt_state, *args, **kwargs)` (with
     the loss appended when `return_loss=True`, then `aux` when `has_aux=True`).
     `step.init(model)` returns the optimizer state. `step.trace_count` counts how
-    often the step was traced (compiled).
+    often the step was traced (compiled). Its configuration (`step.optimizer`,
+    `step.loss_fn`, ...) is read-only: the compiled step was built from it.
     """
+
+    loss_fn: Callable[..., Any]
+    optimizer: Any
+    has_aux: bool
+    return_loss: bool
+    trainable: Any
+    mesh: jax.sharding.Mesh | None
+    data_axis: str
+    layout: Layout
+    microbatches: int | None
+    _compiled: Compiled
+    _scan: Compiled
 
     def __init__(
         self,
@@ -60,16 +72,20 @@ class Step:
                 "the mesh too (`mesh=`)."
             )
         layout_rule(layout)  # a malformed layout fails here, not at the first step
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.has_aux = has_aux
-        self.return_loss = return_loss
-        self.trainable = trainable
-        self.mesh = mesh
-        self.data_axis = data_axis
-        self.layout = layout
-        self.microbatches = microbatches
-        pure = functools.partial(
+        config = dict(
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            has_aux=has_aux,
+            return_loss=return_loss,
+            trainable=trainable,
+            mesh=mesh,
+            data_axis=data_axis,
+            layout=layout,
+            microbatches=microbatches,
+        )
+        for name, value in config.items():
+            object.__setattr__(self, name, value)
+        fn = functools.partial(
             train_step,
             loss_fn=loss_fn,
             optimizer=optimizer,
@@ -78,28 +94,38 @@ class Step:
             microbatches=microbatches,
         )
 
-        def fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
-            model, opt_state = carry
-            model, opt_state, loss, aux = pure(model, opt_state, args, kwargs)
-            return (model, opt_state), (loss, aux)
-
         def scan_fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
             return scan_calls(fn, carry, args, kwargs, unroll=scan_unroll)
 
-        self._compiled, self._scan = (
-            _StepCompiled(
+        compiled, scan = (
+            Compiled(
                 f,
                 donate=donate,
                 donate_policy=all_but_witnesses,
                 jit_kwargs=dict(jit_kwargs or {}),
                 name=name,
+                placement=None
+                if mesh is None
+                else Placement(mesh, layout, data_axis, batch_axis),
+                warn_recompile=batch_axis == 0,  # a new K compiles again, by design
             )
-            for f, name in ((fn, "eqx_state_step"), (scan_fn, "eqx_state_step_scan"))
+            for f, name, batch_axis in (
+                (fn, "eqx_state_step", 0),
+                (scan_fn, "eqx_state_step_scan", 1),
+            )
         )
-        for c, batch_axis in ((self._compiled, 0), (self._scan, 1)):
-            c.mesh, c.data_axis, c.batch_axis = mesh, data_axis, batch_axis
-            c.layout = layout
-        self._scan.warn_recompile = False  # a new K compiles again, by design
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_scan", scan)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ReadOnlyError(
+            f"`step.{name}` cannot be changed: the compiled step was built from "
+            "what `es.make_step` was given. Build a new step with "
+            f"`es.make_step(..., {name}=...)` (an optimizer state made by the old "
+            "step's `init` fits the new one when the optimizer's state has the same "
+            "structure). To change a hyperparameter between steps, use "
+            "`optax.inject_hyperparams` and set it in the optimizer state."
+        )
 
     @property
     def trace_count(self) -> int:
@@ -168,9 +194,9 @@ class Step:
         return self._compiled.lower((model, opt_state), args, kwargs)
 
     def __call__(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
-        (model, opt_state), (loss, aux) = self._compiled.call(
-            (model, opt_state), args, kwargs
-        )
+        leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
+        leaves, (loss, aux) = self._compiled.call_flat(leaves, treedef, args, kwargs)
+        model, opt_state = treedef.unflatten(leaves)
         return self._outputs(model, opt_state, loss, aux)
 
     def scan(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -212,8 +238,8 @@ class Step:
         assert int(model[1].num_batches_tracked[...]) == 10
         ```
         """
-        (model, opt_state), (loss, aux) = self._scan.call(
-            (model, opt_state), args, kwargs
+        (model, opt_state), (loss, aux) = run_scan(
+            self._scan, self._compiled, (model, opt_state), args, kwargs
         )
         return self._outputs(model, opt_state, loss, aux)
 
@@ -275,42 +301,18 @@ class OwnedLoop:
     [`eqx_state.Step.own`][]."""
 
     def __init__(self, step: Step, owned: Owned):
-        self._step = step
+        self._extras = step._extras
         self._owned = owned
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """One training step on the owned model; returns the step's extras."""
         loss, aux = self._owned.call(args, kwargs)
-        return self._step._extras(loss, aux)
+        return self._extras(loss, aux)
 
     def release(self) -> tuple[Any, Any]:
         """`(model, opt_state)` after the last step; the loop is then done."""
         model, opt_state = self._owned.release()
         return model, opt_state
-
-
-class _StepCompiled(Compiled):
-    data_axis: str = "data"
-    batch_axis: int = 0  # 1 for `Step.scan`: its arguments are `[K, batch, ...]`
-    layout: Layout = None
-
-    def mesh_placement(self, carry: tuple) -> list[Any]:
-        """Where each leaf of `(model, opt_state)` goes on the mesh (None: not an
-        array): the model by the layout (replicated by default), the optimizer
-        state like its parameters."""
-        model, opt_state = carry
-        model_sh, opt_sh = carry_shardings(model, opt_state, self.mesh, self.layout)
-        return [*model_sh, *opt_sh]
-
-    def arg_placement(self, x: Any) -> Any:
-        """Where an array argument goes: sharded over the data axis on its batch
-        axis, replicated when it has none."""
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        if np.ndim(x) > self.batch_axis:
-            spec = (None,) * self.batch_axis + (self.data_axis,)
-            return NamedSharding(self.mesh, PartitionSpec(*spec))
-        return NamedSharding(self.mesh, PartitionSpec())
 
 
 def trainable_params(model: Any, trainable: Any = None) -> Any:
@@ -358,8 +360,8 @@ class Apply:
             donate_policy=cells_only,
             jit_kwargs=jit_kwargs,
             name="eqx_state_apply_scan",
+            warn_recompile=False,  # a new K compiles again, by design
         )
-        self._scan.warn_recompile = False
 
     @property
     def trace_count(self) -> int:
@@ -396,7 +398,7 @@ class Apply:
         assert float(mean.compute()) == 5.5
         ```
         """
-        (model,), out = self._scan.call((model,), args, kwargs)
+        (model,), out = run_scan(self._scan, self._compiled, (model,), args, kwargs)
         return out, model
 
 

@@ -71,3 +71,31 @@ def test_equinox_runtime_error_is_recognised():
     err = _compat.equinox_runtime_error(info.value)
     assert isinstance(err, eqx.EquinoxRuntimeError) and "positive!" in str(err)
     assert _compat.equinox_runtime_error(ValueError("unrelated")) is None
+
+
+def test_ref_buffer_is_the_array_jax_passes_and_replaces():
+    r = jax.new_ref(jnp.zeros(3))
+    assert _compat.is_concrete_ref(r)
+    assert not _compat.is_concrete_ref(jnp.zeros(3))
+    snapshot = r[...]  # a copy: stays valid when the buffer is donated
+    buf = _compat.ref_buffer(r)
+    assert isinstance(buf, jax.Array) and buf.tolist() == [0.0] * 3
+    # what a ref-mode step does: the ref's array into a donating call, the output
+    # put back into the same ref; the ref then reads it, eagerly and under jit
+    new = jax.jit(lambda a: a + 1.0, donate_argnums=0)(buf)
+    _compat.set_ref_buffer(r, new)
+    assert r[...].tolist() == [1.0] * 3
+    assert jax.jit(lambda ref: ref[...] * 2)(r).tolist() == [2.0] * 3
+    assert snapshot.tolist() == [0.0] * 3
+    # and JAX's own write-back of a jitted ref argument goes through the same array
+    jax.jit(lambda ref: ref.__setitem__(Ellipsis, ref[...] + 1.0))(r)
+    assert _compat.ref_buffer(r).tolist() == [2.0] * 3
+
+
+def test_deleted_array_error_is_recognised():
+    x = jnp.ones(3)
+    x.delete()
+    with pytest.raises(Exception) as info:  # noqa: B017 -- whatever JAX raises
+        jax.jit(lambda a: a + 1)(x)
+    assert _compat.is_deleted_array_error(info.value)
+    assert not _compat.is_deleted_array_error(ValueError("unrelated"))

@@ -57,7 +57,12 @@ def probe(make, bad):
         bad(m)
         exc, msg = None, ""
     except Exception as e:
+        # the built-in type it stands for; every error of the library is also an
+        # es.EqxStateError (checked here for each probe)
+        assert isinstance(e, es.EqxStateError), type(e)
         exc, msg = type(e).__name__, str(e)
+        if exc in ("StateValueError", "StateTypeError"):
+            exc = exc.removeprefix("State")
     after = state(m)
     same = all(
         a.shape == b.shape and np.array_equal(a, b, equal_nan=True)

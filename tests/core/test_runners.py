@@ -1,0 +1,313 @@
+"""Every runner goes through one compiled entry point, so each gives the same result
+and each misuse the same error: K calls of a step, `step.scan` over K, the owned loop
+(`step.own`), and, for forward-only work, `make_apply` calls, `make_apply(...).scan`
+and `eqx.filter_jit(es.apply)` — in both storage modes.
+
+The model has every kind of state a step writes: BatchNorm statistics, a Dropout
+stream, a metric updated in the loss and an EMA of a layer. The reference for the
+training runners is a hand-threaded pure-JAX loop over the same Equinox layers (the
+statistics, the key stream, the metric and the average threaded by hand)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+K = 3
+
+
+class Net(eqx.Module):
+    lin1: es.nn.Batched
+    bn: es.nn.BatchNorm
+    drop: es.nn.Dropout
+    lin2: es.nn.Batched
+    ema: es.nn.EMA
+    seen: es.metrics.Mean
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.lin1 = es.nn.Batched(eqx.nn.Linear(3, 8, key=k1))
+        self.bn = es.nn.BatchNorm(8)
+        self.drop = es.nn.Dropout(0.25, key=7)
+        self.lin2 = es.nn.Batched(eqx.nn.Linear(8, 2, key=k2))
+        self.ema = es.nn.EMA(self.lin1, decay=0.5)
+        self.seen = es.metrics.Mean()
+
+    def __call__(self, x):
+        return self.lin2(self.drop(jax.nn.relu(self.bn(self.lin1(x)))))
+
+
+def loss_fn(model, x, y):
+    model.ema.update(model.lin1)
+    loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    model.seen.update(loss)
+    return loss
+
+
+def data():
+    kx, ky = jax.random.split(jax.random.key(1))
+    xs = jax.random.normal(kx, (K, 8, 3))
+    ys = jax.random.randint(ky, (K, 8), 0, 2)
+    return xs, ys
+
+
+def arrays(tree):
+    return [
+        np.asarray(x)
+        for x in jax.tree.leaves(eqx.filter(es.freeze(tree), eqx.is_array))
+    ]
+
+
+def run(runner, mode, optimizer=None, make_opt_state=None):
+    model = Net(jax.random.key(0))
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(loss_fn, optimizer or optax.adam(1e-2), return_loss=True)
+    opt_state = (
+        step.init(model) if make_opt_state is None else make_opt_state(step, model)
+    )
+    xs, ys = data()
+    if runner == "step":
+        losses = []
+        for x, y in zip(xs, ys):
+            model, opt_state, loss = step(model, opt_state, x, y)
+            losses.append(loss)
+        losses = jnp.stack(losses)
+    elif runner == "scan":
+        model, opt_state, losses = step.scan(model, opt_state, xs, ys)
+    else:
+        loop = step.own(model, opt_state)
+        losses = jnp.stack([loop(x, y) for x, y in zip(xs, ys)])
+        model, opt_state = loop.release()
+    return model, opt_state, losses
+
+
+def reference(opt):
+    """The same K steps, threaded by hand in pure JAX over the same layers."""
+    net = Net(jax.random.key(0))
+    lin1, lin2 = net.lin1.layer, net.lin2.layer
+    params = (lin1, lin2, jnp.ones(8), jnp.zeros(8))  # BatchNorm's affine too
+    mean, var = jnp.zeros(8), jnp.ones(8)
+    key = net.drop.rng.peek()
+    ema = jax.tree.map(jnp.asarray, eqx.filter(lin1, eqx.is_inexact_array))
+    total, count = 0.0, 0.0
+    opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
+    xs, ys = data()
+    losses = []
+    for x, y in zip(xs, ys):
+        ema = jax.tree.map(
+            lambda h, p: 0.5 * h + 0.5 * p,
+            ema,
+            eqx.filter(params[0], eqx.is_inexact_array),
+        )
+        key, key_now = jax.random.split(key)  # the stream: `k, sub = split(k)`
+
+        def loss(p):
+            h = jax.vmap(p[0])(x)
+            mu, v = h.mean(0), h.var(0)
+            h = (h - mu) / jnp.sqrt(v + 1e-5) * p[2] + p[3]
+            h = jax.nn.relu(h)
+            keep = jax.random.bernoulli(key_now, 0.75, h.shape)
+            h = jnp.where(keep, h / 0.75, 0.0)
+            logits = jax.vmap(p[1])(h)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), (
+                mu,
+                v,
+            )
+
+        (value, (mu, v)), g = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        n = x.shape[0]
+        mean = 0.9 * mean + 0.1 * mu
+        var = 0.9 * var + 0.1 * v * n / (n - 1)
+        total, count = total + value, count + 1
+        losses.append(value)
+    return params, mean, var, float(total / count), ema, jnp.stack(losses)
+
+
+RUNNERS = ["step", "scan", "own"]
+MODES = ["value", "ref"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {(r, m): run(r, m) for r in RUNNERS for m in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_every_runner_gives_the_same_bits(results, runner, mode):
+    model, opt_state, losses = results[(runner, mode)]
+    ref_model, ref_opt, ref_losses = results[("step", "value")]
+    assert np.array_equal(losses, ref_losses)
+    for a, b in zip(arrays(model), arrays(ref_model)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(ref_opt)):
+        assert np.array_equal(a, b)
+    assert int(model.bn.num_batches_tracked[...]) == K
+
+
+def test_the_step_equals_a_hand_threaded_loop():
+    # SGD: the first layer's bias feeds a BatchNorm, so its gradient is rounding
+    # noise, which Adam would scale up to full steps of either sign
+    model, _, losses = run("step", "value", optax.sgd(0.1))
+    params, mean, var, seen, ema, ref_losses = reference(optax.sgd(0.1))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.bn.running_mean[...], mean, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(model.bn.running_var[...], var, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(model.seen.compute()), seen, rtol=1e-5)
+    np.testing.assert_allclose(
+        model.lin1.layer.weight, params[0].weight, rtol=1e-4, atol=1e-6
+    )
+    averaged = model.ema.averaged(model.lin1)
+    np.testing.assert_allclose(averaged.layer.weight, ema.weight, rtol=1e-5, atol=1e-6)
+
+
+def forward(model, x):
+    out = model(x)
+    model.seen.update(jnp.mean(out))
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_only_runners_agree(mode):
+    xs, _ = data()
+
+    def fresh():
+        model = Net(jax.random.key(0))
+        return es.to_refs(model) if mode == "ref" else model
+
+    apply_fn = es.make_apply(forward)
+    model, outs = fresh(), []
+    for x in xs:
+        out, model = apply_fn(model, x)
+        outs.append(out)
+    by_call = (jnp.stack(outs), arrays(model))
+
+    outs2, model2 = apply_fn.scan(fresh(), xs)
+    jitted = eqx.filter_jit(lambda m, x: es.apply(forward, m, x))
+    model3, outs3 = fresh(), []
+    for x in xs:
+        out, model3 = jitted(model3, x)
+        outs3.append(out)
+    for outs_, model_ in ((outs2, model2), (jnp.stack(outs3), model3)):
+        assert np.array_equal(outs_, by_call[0])
+        for a, b in zip(arrays(model_), by_call[1]):
+            assert np.array_equal(a, b)
+
+
+# -- the same misuse, the same answer on every runner ------------------------------
+
+
+def _float_lr(step, model):
+    opt_state = step.init(model)
+    opt_state.hyperparams["learning_rate"] = 0.05  # a Python float, set in place
+    return opt_state
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_python_float_hyperparameter_is_accepted_by_every_runner(runner):
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=jnp.asarray(0.01))
+    _, _, losses = run(runner, "value", opt, _float_lr)
+    _, _, want = run("step", "value", opt, _float_lr)
+    assert np.array_equal(losses, want)
+    # and the float took effect: a hand-set array of the same value gives the same
+    _, _, as_array = run(
+        "step",
+        "value",
+        opt,
+        lambda s, m: _with(s.init(m), jnp.asarray(0.05)),
+    )
+    np.testing.assert_allclose(losses, as_array, rtol=1e-6)
+
+
+def _with(opt_state, lr):
+    opt_state.hyperparams["learning_rate"] = lr
+    return opt_state
+
+
+def _aux_cell(model, x, y):
+    return loss_fn(model, x, y), model.bn  # a module holding cells, as aux
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_cell_in_aux_is_refused_by_every_runner(runner, mode):
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(_aux_cell, optax.sgd(0.1), has_aux=True)
+    opt_state = step.init(model)
+    xs, ys = data()
+    with pytest.raises(es.StepError, match=r"`aux` holds a state cell"):
+        if runner == "step":
+            step(model, opt_state, xs[0], ys[0])
+        elif runner == "scan":
+            step.scan(model, opt_state, xs, ys)
+        else:
+            step.own(model, opt_state)(xs[0], ys[0])
+
+
+def test_a_cell_in_an_apply_output_is_refused_alike():
+    for call in (
+        lambda m, x: es.make_apply(lambda m, x: m.bn)(m, x),
+        lambda m, x: es.make_apply(lambda m, x: m.bn).scan(m, x[None]),
+        lambda m, x: es.apply(lambda m, x: m.bn, m, x),
+    ):
+        with pytest.raises(es.StepError, match=r"holds a state cell"):
+            call(Net(jax.random.key(0)), data()[0][0])
+
+
+def test_the_optimizer_of_a_step_is_read_only():
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    for name, value in (("optimizer", optax.adam(1.0)), ("loss_fn", len)):
+        with pytest.raises(AttributeError, match=r"cannot be changed.*make_step"):
+            setattr(step, name, value)
+        with pytest.raises(es.EqxStateError):
+            setattr(step, name, value)
+    assert isinstance(step.optimizer, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_shared_refs_are_refused_by_every_runner(runner):
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    model = [bn, bn]  # one ref at two places: only constructible by hand
+
+    def loss(m, x):
+        return jnp.mean(m[1](m[0](x)) ** 2)
+
+    step = es.make_step(loss, optax.sgd(0.1))
+    opt_state = step.init(model)
+    x = jnp.ones((K, 4, 3))
+    with pytest.raises(es.StateError, match=r"same ref is at two places"):
+        if runner == "step":
+            step(model, opt_state, x[0])
+        elif runner == "scan":
+            step.scan(model, opt_state, x)
+        else:
+            step.own(model, opt_state)(x[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_stale_model_is_refused_by_every_runner(runner, mode):
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    xs, ys = data()
+    step(model, opt_state, xs[0], ys[0])  # consumes the arrays given to it
+    with pytest.raises(es.StaleModelError):
+        if runner == "step":
+            step(model, opt_state, xs[0], ys[0])
+        elif runner == "scan":
+            step.scan(model, opt_state, xs, ys)
+        else:
+            step.own(model, opt_state)(xs[0], ys[0])
