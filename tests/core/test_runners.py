@@ -109,7 +109,7 @@ def reference(opt):
         )
         key, key_now = jax.random.split(key)  # the stream: `k, sub = split(k)`
 
-        def loss(p):
+        def loss(p, x, y, key_now):
             h = jax.vmap(p[0])(x)
             mu, v = h.mean(0), h.var(0)
             h = (h - mu) / jnp.sqrt(v + 1e-5) * p[2] + p[3]
@@ -122,7 +122,9 @@ def reference(opt):
                 v,
             )
 
-        (value, (mu, v)), g = jax.value_and_grad(loss, has_aux=True)(params)
+        (value, (mu, v)), g = jax.value_and_grad(loss, has_aux=True)(
+            params, x, y, key_now
+        )
         updates, opt_state = opt.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
         n = x.shape[0]
