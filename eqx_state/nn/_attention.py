@@ -272,6 +272,11 @@ def kv_cache_axes(model: Any) -> Any:
 
     A pytree prefix of `model` to pass as its entry of `in_axes`.
 
+    **Raises:**
+
+    `ValueError` for a cache without a batch axis (built without `batch_size=`),
+    which `jax.vmap` could not map: it names `with_kv_cache(..., batch_size=B)`.
+
     **Example:**
 
     ```python
@@ -286,7 +291,21 @@ def kv_cache_axes(model: Any) -> Any:
     assert y.shape == (3, 4, 8) and batch.cache.length.tolist() == [4, 4, 4]
     ```
     """
-    return jax.tree.map(lambda x: 0 if _is_cache(x) else None, model, is_leaf=_is_cache)
+
+    def axis(x: Any) -> int | None:
+        if not _is_cache(x):
+            return None
+        if not x.cursor.value.ndim:
+            raise StateValueError(
+                f"kv_cache_axes: a KVCache of this model holds one sequence (its "
+                f"cells have no batch axis: keys of shape {tuple(x.keys.shape)}), "
+                "so `jax.vmap` cannot map it. Build the caches with a batch axis, "
+                "`es.nn.with_kv_cache(model, max_len, batch_size=B)`, for B "
+                "sequences decoded together."
+            )
+        return 0
+
+    return jax.tree.map(axis, model, is_leaf=_is_cache)
 
 
 def truncate_kv_cache(model: _M, length: int | Int[Array, "*batch"]) -> _M:
