@@ -195,6 +195,24 @@ def _make_weak(x: jax.Array) -> jax.Array:
     return jax.lax.full(x.shape, fill).at[...].set(x)
 
 
+def _numpy_leaf(value: np.ndarray, like: Any) -> np.ndarray | np.generic:
+    """The one rule by which every load path (`es.load`, `es.from_orbax`) gives back
+    a NumPy leaf: as the type of the `like` leaf, a NumPy array where it holds an
+    array and a NumPy scalar where it holds a scalar (at shape `()` the two hold
+    the same data, so either loads into either); where `like` is abstract (a
+    `jax.ShapeDtypeStruct`, which cannot tell them apart), a 0-d value comes back
+    as a NumPy scalar (a data position, a step count) and any other as an array.
+    `value` is a NumPy array that the caller owns."""
+    if isinstance(like, np.ndarray) or value.ndim:
+        return value
+    return value[()]
+
+
+def _numpy_kinds_agree(saved: str, like: str, shapes: set[tuple[int, ...]]) -> bool:
+    """A NumPy scalar and a 0-d NumPy array are the same data (see `_numpy_leaf`)."""
+    return shapes == {()} and {saved, like} == {"numpy", "numpy_scalar"}
+
+
 # --------------------------------------------------------------------------------------
 # Saving.
 
@@ -753,7 +771,11 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
     if kind == "abstract":
         if entry.kind == "python":
             kind = "python"  # an abstract leaf is never a Python scalar
-    if kind != "abstract" and kind != entry.kind:
+    if (
+        kind != "abstract"
+        and kind != entry.kind
+        and not _numpy_kinds_agree(entry.kind, kind, {entry.shape, np.shape(leaf)})
+    ):
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds {_KIND_WORDS[entry.kind]} but "
             f"`like` holds {_KIND_WORDS.get(kind, type(leaf).__name__)}. Build `like` "
@@ -826,10 +848,8 @@ def _build(
     arr = arr.astype(entry.dtype, copy=False)  # native byte order (a copy if not)
     if entry.kind == "python":
         return entry.pytype(arr.item())  # type: ignore[misc]
-    if entry.kind == "numpy_scalar":
-        return arr.copy()[()]
-    if entry.kind == "numpy":
-        return arr.copy()
+    if entry.kind in ("numpy", "numpy_scalar"):
+        return _numpy_leaf(arr.copy(), leaf)
     value = jax.device_put(arr, _placement(leaf), may_alias=False)
     if value.dtype != entry.dtype:
         raise CheckpointError(
@@ -861,12 +881,16 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
        object also raise `CheckpointError`.)
     3. **Against `like`**: the file holds exactly the leaves of `like` (same paths,
        none missing, none extra), each with the same shape and dtype, the same array
-       kind (JAX array, NumPy array, NumPy scalar, or the same Python scalar type) and,
+       kind (JAX array, NumPy data, or the same Python scalar type) and,
        for PRNG keys, the same kind of key (typed with the same implementation, or
        raw `uint32` data).
 
     What comes back: each leaf with the dtype, shape, weak type and kind it was saved
-    with (NumPy `int64`/`float64` stay 64-bit NumPy; typed keys stay typed). The storage
+    with (NumPy `int64`/`float64` stay 64-bit NumPy; typed keys stay typed). NumPy
+    values follow one rule, shared with [`eqx_state.from_orbax`][]: they come back
+    as the type of `like`'s leaf, a NumPy scalar or a NumPy array (at shape `()`
+    these are the same data and load into each other); where `like`'s leaf is a
+    `jax.ShapeDtypeStruct`, a 0-d value comes back as a NumPy scalar. The storage
     mode comes from `like`: where `like` holds a ref (ref mode), a new ref is made.
     Each position gets its own array (two positions that held one array object
     become two independent arrays). Leaves of `like` that are `jax.ShapeDtypeStruct`s

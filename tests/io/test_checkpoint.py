@@ -246,7 +246,11 @@ def test_array_kind_must_match_like(tmp_path):
     with pytest.raises(
         es.CheckpointError, match=r"NumPy scalar but `like` holds a NumPy array"
     ):
-        es.load(tmp_path / "c", like={"x": np.zeros((), np.float32)})
+        es.load(tmp_path / "c", like={"x": np.zeros(1, np.float32)})
+    with pytest.raises(
+        es.CheckpointError, match=r"NumPy scalar but `like` holds a JAX array"
+    ):
+        es.load(tmp_path / "c", like={"x": jnp.zeros((), np.float32)})
 
 
 @pytest.mark.parametrize(
