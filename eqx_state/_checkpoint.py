@@ -195,6 +195,24 @@ def _make_weak(x: jax.Array) -> jax.Array:
     return jax.lax.full(x.shape, fill).at[...].set(x)
 
 
+def _numpy_leaf(value: np.ndarray, like: Any) -> np.ndarray | np.generic:
+    """The one rule by which every load path (`es.load`, `es.from_orbax`) gives back
+    a NumPy leaf: as the type of the `like` leaf, a NumPy array where it holds an
+    array and a NumPy scalar where it holds a scalar (at shape `()` the two hold
+    the same data, so either loads into either); where `like` is abstract (a
+    `jax.ShapeDtypeStruct`, which cannot tell them apart), a 0-d value comes back
+    as a NumPy scalar (a data position, a step count) and any other as an array.
+    `value` is a NumPy array that the caller owns."""
+    if isinstance(like, np.ndarray) or value.ndim:
+        return value
+    return value[()]
+
+
+def _numpy_kinds_agree(saved: str, like: str, shapes: set[tuple[int, ...]]) -> bool:
+    """A NumPy scalar and a 0-d NumPy array are the same data (see `_numpy_leaf`)."""
+    return shapes == {()} and {saved, like} == {"numpy", "numpy_scalar"}
+
+
 # --------------------------------------------------------------------------------------
 # Saving.
 
@@ -492,7 +510,86 @@ class _Entry:
         return f"{self.dtype.name}{self.shape}"
 
 
-def _read_blob(path_or_file: Any) -> tuple[str, bytes]:
+_CHUNK = 1 << 24  # bytes per read of a stream: a lying length allocates no more
+
+
+def _read_stream(f: Any, name: str, buf: bytearray, n: int | None) -> int:
+    """Append `n` bytes of the stream `f` to `buf` (fewer at its end), or all the
+    rest if `n` is None, read in chunks; returns how many were read."""
+    got = 0
+    while n is None or got < n:
+        part = f.read(_CHUNK if n is None else min(n - got, _CHUNK))
+        if not isinstance(part, (bytes, bytearray, memoryview)):
+            raise CheckpointError(
+                f"The file object {name} returned {type(part).__name__}, not bytes: "
+                "open checkpoints in binary mode ('rb')."
+            )
+        if not part:
+            break
+        buf += part
+        got += len(part)
+    return got
+
+
+def _data_bytes(header: bytes) -> int | None:
+    """The number of payload bytes a header lists, or None if it is not a valid
+    header (which `_parse` then reports, after the checksum)."""
+    try:
+        obj = json.loads(header.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("entries"), list):
+        return None
+    if any(_validate_entry(i, raw) for i, raw in enumerate(obj["entries"])):
+        return None
+    return sum(_Entry(raw, 0).nbytes for raw in obj["entries"])
+
+
+def _read_one(f: Any, name: str) -> tuple[bytearray, bytes]:
+    """Exactly one checkpoint from the stream `f`, leaving it positioned after it (as
+    `np.load` and `eqx.tree_deserialise_leaves` read a stream item by item): the
+    prefix gives the header's length, the header the payload's. Where the prefix or
+    header is not valid, the rest of the stream is read so that `_parse` reports it
+    as it does for a file. A seekable stream must continue with nothing or with
+    another checkpoint: other bytes after one are reported as corruption (by
+    `_check_tail`, after the checksum). Returns the checkpoint's bytes and the
+    (up to 8) bytes that follow it in a seekable stream."""
+    buf = bytearray()
+    if _read_stream(f, name, buf, _FIXED) < _FIXED or not buf.startswith(_MAGIC):
+        _read_stream(f, name, buf, None)
+        return buf, b""
+    version, header_len = _PREFIX.unpack_from(buf, len(_MAGIC))
+    if version != _VERSION:
+        _read_stream(f, name, buf, None)
+        return buf, b""
+    got = _read_stream(f, name, buf, header_len)
+    data = _data_bytes(bytes(buf[_FIXED:])) if got == header_len else None
+    if data is None:
+        _read_stream(f, name, buf, None)
+        return buf, b""
+    _read_stream(f, name, buf, data + _DIGEST)
+    tail = bytearray()
+    seekable = getattr(f, "seekable", None)
+    if callable(seekable) and seekable():
+        after = f.tell()
+        _read_stream(f, name, tail, len(_MAGIC))
+        f.seek(after)
+    return buf, bytes(tail)
+
+
+def _check_tail(name: str, tail: bytes) -> None:
+    if tail and not _MAGIC.startswith(tail):
+        raise CheckpointError(
+            f"{name} is corrupt: the checkpoint is followed by "
+            f"{'bytes that start' if len(tail) > 1 else 'a byte that starts'} no "
+            "other eqx_state checkpoint (a stream may hold several checkpoints, one after "
+            "the other, and nothing else)."
+        )
+
+
+def _read_blob(path_or_file: Any) -> tuple[str, bytearray, bytes]:
+    """The name, the bytes of one checkpoint and, for a seekable stream, the bytes
+    that follow it (for `_check_tail`)."""
     if hasattr(path_or_file, "read"):
         name = repr(getattr(path_or_file, "name", "<file object>"))
         if isinstance(path_or_file, io.TextIOBase):
@@ -501,22 +598,16 @@ def _read_blob(path_or_file: Any) -> tuple[str, bytes]:
                 "mode ('rb')."
             )
         try:
-            blob = path_or_file.read()
+            return name, *_read_one(path_or_file, name)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"Cannot read the checkpoint {name}: {e}") from e
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise CheckpointError(
-                f"The file object {name} returned {type(blob).__name__}, not bytes: "
-                "open checkpoints in binary mode ('rb')."
-            )
-        return name, bytes(blob)
     path = os.fspath(path_or_file)
     name = repr(path)
     if not os.path.exists(path):
         raise CheckpointError(f"No checkpoint at {name}.")
     try:
         with open(path, "rb") as f:
-            return name, f.read()
+            return name, *_read_one(f, name)
     except OSError as e:  # a directory, no permission, ...
         raise CheckpointError(
             f"Cannot read the checkpoint {name}: {e.strerror or e}."
@@ -584,7 +675,7 @@ def _validate_entry(i: int, raw: Any) -> str | None:
     return None
 
 
-def _parse(name: str, blob: bytes) -> list[_Entry]:
+def _parse(name: str, blob: bytes | bytearray) -> list[_Entry]:
     """Verify and parse a whole file. Any problem raises `CheckpointError`; nothing is
     allocated beyond the header's Python objects."""
     if len(blob) < _FIXED + _DIGEST or not blob.startswith(_MAGIC):
@@ -680,7 +771,11 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
     if kind == "abstract":
         if entry.kind == "python":
             kind = "python"  # an abstract leaf is never a Python scalar
-    if kind != "abstract" and kind != entry.kind:
+    if (
+        kind != "abstract"
+        and kind != entry.kind
+        and not _numpy_kinds_agree(entry.kind, kind, {entry.shape, np.shape(leaf)})
+    ):
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds {_KIND_WORDS[entry.kind]} but "
             f"`like` holds {_KIND_WORDS.get(kind, type(leaf).__name__)}. Build `like` "
@@ -741,7 +836,9 @@ def _placement(leaf: Any) -> Any:
     return sharding
 
 
-def _build(name: str, where: str, entry: _Entry, blob: bytes, leaf: Any) -> Any:
+def _build(
+    name: str, where: str, entry: _Entry, blob: bytes | bytearray, leaf: Any
+) -> Any:
     arr = np.frombuffer(
         blob,
         dtype=entry.dtype.newbyteorder("<"),
@@ -751,10 +848,8 @@ def _build(name: str, where: str, entry: _Entry, blob: bytes, leaf: Any) -> Any:
     arr = arr.astype(entry.dtype, copy=False)  # native byte order (a copy if not)
     if entry.kind == "python":
         return entry.pytype(arr.item())  # type: ignore[misc]
-    if entry.kind == "numpy_scalar":
-        return arr.copy()[()]
-    if entry.kind == "numpy":
-        return arr.copy()
+    if entry.kind in ("numpy", "numpy_scalar"):
+        return _numpy_leaf(arr.copy(), leaf)
     value = jax.device_put(arr, _placement(leaf), may_alias=False)
     if value.dtype != entry.dtype:
         raise CheckpointError(
@@ -786,12 +881,16 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
        object also raise `CheckpointError`.)
     3. **Against `like`**: the file holds exactly the leaves of `like` (same paths,
        none missing, none extra), each with the same shape and dtype, the same array
-       kind (JAX array, NumPy array, NumPy scalar, or the same Python scalar type) and,
+       kind (JAX array, NumPy data, or the same Python scalar type) and,
        for PRNG keys, the same kind of key (typed with the same implementation, or
        raw `uint32` data).
 
     What comes back: each leaf with the dtype, shape, weak type and kind it was saved
-    with (NumPy `int64`/`float64` stay 64-bit NumPy; typed keys stay typed). The storage
+    with (NumPy `int64`/`float64` stay 64-bit NumPy; typed keys stay typed). NumPy
+    values follow one rule, shared with [`eqx_state.from_orbax`][]: they come back
+    as the type of `like`'s leaf, a NumPy scalar or a NumPy array (at shape `()`
+    these are the same data and load into each other); where `like`'s leaf is a
+    `jax.ShapeDtypeStruct`, a 0-d value comes back as a NumPy scalar. The storage
     mode comes from `like`: where `like` holds a ref (ref mode), a new ref is made.
     Each position gets its own array (two positions that held one array object
     become two independent arrays). Leaves of `like` that are `jax.ShapeDtypeStruct`s
@@ -802,8 +901,11 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
 
     **Arguments:**
 
-    - `path_or_file`: the file to read, or a binary file object (read from its
-        current position).
+    - `path_or_file`: the file to read, or a binary file object, read from its
+        current position. Exactly one checkpoint is read and a stream is left just
+        after it, so checkpoints saved one after the other into one stream load one
+        per call, as with `np.load` (from a path, the first is read). In a file or
+        seekable stream, what follows must be another checkpoint or nothing.
     - `like`: a tree of the same structure, e.g. a freshly initialised
         `(model, opt_state)`, or `eqx.filter_eval_shape` of the function that makes it.
 
@@ -823,8 +925,9 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
     bn_refs = es.load("/tmp/bn.eqxs", like=es.to_refs(es.nn.BatchNorm(3)))  # ref mode
     ```
     """
-    name, blob = _read_blob(path_or_file)
+    name, blob, tail = _read_blob(path_or_file)
     entries = _parse(name, blob)
+    _check_tail(name, tail)
     saved = {e.path: e for e in entries}
     flat, treedef = jax.tree_util.tree_flatten_with_path(like)
     witnesses = _witness_paths(like)

@@ -111,7 +111,9 @@ def inference_mode(
     **Raises:**
 
     `ValueError` if nothing with an `inference` field was selected (a `where` or
-    `only` that matches no layer would otherwise do nothing, silently).
+    `only` that matches no layer would otherwise do nothing, silently). With
+    several parts (`where` returning a tuple), a part without a match is fine as
+    long as another part has one.
 
     **Example:**
 
@@ -133,10 +135,14 @@ def inference_mode(
     keep = _as_predicate(only)
     _check_live(model)
 
+    # Several parts (`where=lambda m: (m.a, m.b)`) are switched one by one: a part
+    # with no match is fine as long as some part has one.
+    switched = 0
+
     def switch(part: Any) -> Any:
+        nonlocal switched
         targets = set(_inference_paths(part, keep))
-        if not targets:
-            raise StateValueError(_nothing_message(where, only))
+        switched += len(targets)
         done: set[str] = set()
 
         def one(path: tuple, x: Any) -> Any:
@@ -157,8 +163,12 @@ def inference_mode(
         return new
 
     if where is None:
-        return switch(model)
-    return eqx.tree_at(where, model, replace_fn=switch)
+        new = switch(model)
+    else:
+        new = eqx.tree_at(where, model, replace_fn=switch)
+    if not switched:
+        raise StateValueError(_nothing_message(where, only))
+    return new
 
 
 def _nothing_message(where: Any, only: Any) -> str:

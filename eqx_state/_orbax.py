@@ -16,6 +16,7 @@ from ._checkpoint import (
     _check_live,
     _is_python_scalar,
     _make_weak,
+    _numpy_leaf,
     _read_ref,
 )
 from ._modes import with_witnesses, without_witnesses
@@ -241,10 +242,10 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         return like  # not saved: Python values come from `like`
     if _is_python_scalar(like):
         return type(like)(np.asarray(got).item())  # pyright: ignore[reportCallIssue]
-    if isinstance(like, np.generic):
-        return np.asarray(got, dtype=np.asarray(like).dtype)[()]
-    if isinstance(like, np.ndarray):
-        return np.asarray(got)
+    if isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
+        # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
+        # `es.load` follows too
+        return _numpy_leaf(np.asarray(got), like)
     if isinstance(like, jax.Ref):
         return jax.new_ref(got, kind=getattr(jax.typeof(like), "kind", None))
     if isinstance(like, jax.Array) and not isinstance(like, Tracer):
@@ -260,7 +261,9 @@ def from_orbax(restored: Any, like: Any) -> Any:
     Orbax's `StandardRestore` returned.
 
     Where `like` holds a ref (ref mode), the result holds a new ref with the restored
-    value; NumPy scalars and Python numbers come back as their `like` type; weakly
+    value; Python numbers come back as their `like` type, and NumPy values by the
+    rule of [`eqx_state.load`][]: as `like`'s leaf, a NumPy scalar or array, and
+    where it is a `jax.ShapeDtypeStruct`, a 0-d value as a NumPy scalar; weakly
     typed arrays of `like` come back weakly typed; Python values that were not saved
     (activation functions, flags' static parts) come from `like`.
 

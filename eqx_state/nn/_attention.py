@@ -190,7 +190,10 @@ def with_kv_cache(
     - `batch_size`: if given, each cache holds this many sequences: every cell
         gets a leading batch axis (one cursor per sequence). Decode the batch by
         mapping the per-sequence model with
-        `jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`.
+        `jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`. A batched
+        model (parameters stacked over a leading axis, from `eqx.filter_vmap`)
+        needs it, equal to that axis's size, and is decoded with `jax.vmap` over
+        model and input; without it a `ValueError` names the size.
     - `dtype`: the cache dtype (default: the dtype of the layer's key projection).
     - `on_overflow`: `"raise"` or `"nan"`, see [`eqx_state.nn.KVCache`][].
 
@@ -214,9 +217,10 @@ def with_kv_cache(
             f"with_kv_cache: batch_size must be positive, got {batch_size}."
         )
 
-    def one(x: Any) -> Any:
+    def one(path: Any, x: Any) -> Any:
         if not _is_attn(x):
             return x
+        _check_stacked(jax.tree_util.keystr(path), x, batch_size)
         cache = KVCache(
             max_len,
             x.num_heads,
@@ -230,7 +234,33 @@ def with_kv_cache(
             )
         return eqx.tree_at(lambda a: a.cache, x, cache, is_leaf=lambda c: c is None)
 
-    return jax.tree_util.tree_map(one, model, is_leaf=_is_attn)
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_attn)
+
+
+def _check_stacked(where: str, attn: CausalSelfAttention, batch_size: int | None):
+    """A layer of a batched model (stacked parameters, from `eqx.filter_vmap`) is
+    mapped over its leading axis by `jax.vmap`: its cache needs that axis too."""
+    shape: tuple[int, ...] = tuple(attn.key_proj.weight.shape)
+    lead: tuple[int, ...] = shape[:-2]
+    if not lead or (batch_size is not None and lead == (batch_size,)):
+        return
+    at = f" at `{where}`" if where else ""
+    if len(lead) > 1 or batch_size is not None:
+        raise StateValueError(
+            f"with_kv_cache: the attention layer{at} has parameters stacked over "
+            f"the axes {lead} (key_proj.weight of shape {shape}), and a cache can "
+            f"have one leading batch axis: batch_size={batch_size} does not match. "
+            "Give a model stacked over one axis, with batch_size equal to its size."
+        )
+    raise StateValueError(
+        f"with_kv_cache: the attention layer{at} has parameters stacked over a "
+        f"leading axis of size {shape[0]} (key_proj.weight of shape {shape}): a "
+        "batched model (built with `eqx.filter_vmap`, or layers stacked for "
+        "`lax.scan`), which `jax.vmap` or `lax.scan` map over that axis, so each "
+        "slice needs its own cache (without it, JAX fails with 'rank should be at "
+        "least 1'). Build the caches with that axis: "
+        f"`es.nn.with_kv_cache(model, max_len, batch_size={shape[0]})`."
+    )
 
 
 def without_kv_cache(model: Any) -> Any:
@@ -272,6 +302,11 @@ def kv_cache_axes(model: Any) -> Any:
 
     A pytree prefix of `model` to pass as its entry of `in_axes`.
 
+    **Raises:**
+
+    `ValueError` for a cache without a batch axis (built without `batch_size=`),
+    which `jax.vmap` could not map: it names `with_kv_cache(..., batch_size=B)`.
+
     **Example:**
 
     ```python
@@ -286,7 +321,21 @@ def kv_cache_axes(model: Any) -> Any:
     assert y.shape == (3, 4, 8) and batch.cache.length.tolist() == [4, 4, 4]
     ```
     """
-    return jax.tree.map(lambda x: 0 if _is_cache(x) else None, model, is_leaf=_is_cache)
+
+    def axis(x: Any) -> int | None:
+        if not _is_cache(x):
+            return None
+        if not x.cursor.value.ndim:
+            raise StateValueError(
+                f"kv_cache_axes: a KVCache of this model holds one sequence (its "
+                f"cells have no batch axis: keys of shape {tuple(x.keys.shape)}), "
+                "so `jax.vmap` cannot map it. Build the caches with a batch axis, "
+                "`es.nn.with_kv_cache(model, max_len, batch_size=B)`, for B "
+                "sequences decoded together."
+            )
+        return 0
+
+    return jax.tree.map(axis, model, is_leaf=_is_cache)
 
 
 def truncate_kv_cache(model: _M, length: int | Int[Array, "*batch"]) -> _M:

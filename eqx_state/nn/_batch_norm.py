@@ -27,7 +27,8 @@ class BatchNorm(eqx.Module):
       `momentum=None`; `num_batches_tracked += 1`.
     - evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)): normalise
       with the running statistics; nothing is written.
-    - `track_running_stats=False`: always normalise with batch statistics; no cells.
+    - `track_running_stats=False`: always normalise with batch statistics (also in
+      evaluation, as PyTorch); no cells.
 
     The variance is computed in two passes (the mean first, then the mean of the
     squared deviations from it), also when it is reduced over `axis_name`, so data
@@ -50,12 +51,17 @@ class BatchNorm(eqx.Module):
     **Padding.** `bn(x, mask=m)` computes the batch statistics from the entries
     where `m` is `True` only (Flax's `mask`): padded examples contribute nothing,
     and the statistics equal those of the unpadded batch. Every entry of `x` is
-    normalised with them. A channel with no unmasked entry keeps its running
-    statistics (`num_batches_tracked` still counts the call), as PyTorch does on an
-    empty batch; one with a single unmasked entry updates its running mean and
-    keeps its running variance (the unbiased variance of one value is undefined;
-    with `unbiased_running_var=False` the biased variance 0 is folded in, as Flax
-    does). Unmasked, a batch of one value per channel is refused, as in PyTorch.
+    normalised with them. A channel with no unmasked entry has no batch
+    statistics: its output is NaN, as Flax's (mask the loss with `jnp.where`, not
+    by multiplying, so the NaN of padding stays out of it; gradients through the
+    channel are zero, not NaN), and it keeps its running statistics
+    (`num_batches_tracked` still counts the call), as PyTorch does on an empty
+    batch (Flax writes NaN into them). One with a single unmasked entry updates its
+    running mean and keeps its running variance (the unbiased variance of one value
+    is undefined; with `unbiased_running_var=False` the biased variance 0 is folded
+    in, as Flax does). Unmasked, a batch of one value per channel is refused
+    wherever batch statistics are used, as in PyTorch: in training, and in
+    evaluation with `track_running_stats=False`.
 
     **Arguments:**
 
@@ -205,14 +211,28 @@ class BatchNorm(eqx.Module):
                 "channels on that axis. For inputs laid out [N, C, ...] use "
                 "channel_axis=1 (PyTorch's layout); for channels-last, channel_axis=-1."
             )
-        if x.ndim == 1 and self.axis_name is None and not inference_flag(self):
+        if x.ndim == 1 and self.axis_name is None and self._uses_batch_stats():
             raise StateValueError(
-                f"BatchNorm got a single example of shape {x.shape} in training mode: "
+                f"BatchNorm got a single example of shape {x.shape} {self._why()}: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
                 "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
                 "with `BatchNorm(..., channel_axis=0, axis_name=name)`."
             )
         return axis
+
+    def _uses_batch_stats(self) -> bool:
+        """Whether this call normalises with batch statistics (PyTorch's
+        `bn_training`): in training, and always without running statistics."""
+        return not inference_flag(self) or not self.track_running_stats
+
+    def _why(self) -> str:
+        if inference_flag(self):
+            return (
+                "in evaluation mode without running statistics "
+                "(track_running_stats=False normalises with batch statistics in "
+                "both modes)"
+            )
+        return "in training mode"
 
     def _mask(self, mask: ArrayLike, x: Array) -> Array:
         m = jnp.asarray(mask)
@@ -267,7 +287,7 @@ class BatchNorm(eqx.Module):
         - `x`: an array with `num_features` channels on `channel_axis`.
         - `mask`: optional boolean array broadcastable to `x.shape`: only the
             entries where it is `True` enter the batch statistics (padding).
-            Ignored in evaluation.
+            Ignored in evaluation with running statistics.
         - `key`: ignored; accepted for compatibility with `eqx.nn.Sequential`.
 
         **Returns:**
@@ -281,21 +301,12 @@ class BatchNorm(eqx.Module):
         shape[axis] = self.num_features
         cdtype = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
         xc = x.astype(cdtype)
-        use_batch = not inference_flag(self) or not self.track_running_stats
-        if use_batch:
+        n = None
+        if self._uses_batch_stats():
             m = None if mask is None else self._mask(mask, x)
             mean, var, n = self._batch_stats(xc, red, shape, m)
-            if isinstance(n, int) and n == 1 and not inference_flag(self):
-                where = (
-                    "" if self.axis_name is None else f" over axis {self.axis_name!r}"
-                )
-                raise StateValueError(
-                    f"BatchNorm got one value per channel{where} (input shape "
-                    f"{x.shape}) in training mode: the batch variance is 0, so the "
-                    "running variance would shrink towards 0 (PyTorch raises here "
-                    "too). Train with batches of more than one example, or evaluate "
-                    "with `eqx.nn.inference_mode(model)`."
-                )
+            if isinstance(n, int) and n == 1:
+                raise StateValueError(self._one_value_message(x.shape))
             if not inference_flag(self) and self.track_running_stats:
                 self._update(mean, var, n)
         else:
@@ -305,7 +316,31 @@ class BatchNorm(eqx.Module):
             y = y * self.weight.astype(cdtype).reshape(shape) + self.bias.astype(
                 cdtype
             ).reshape(shape)
+        if n is not None and not isinstance(n, int):
+            # A channel with no unmasked entry has no batch statistics (0 / 0): its
+            # output is NaN, as Flax's. The NaN is a constant selected by `where`,
+            # so gradients through the channel stay finite (zero).
+            y = jnp.where(n.reshape(shape) > 0, y, jnp.asarray(jnp.nan, cdtype))
         return y.astype(x.dtype)
+
+    def _one_value_message(self, shape: tuple[int, ...]) -> str:
+        where = "" if self.axis_name is None else f" over axis {self.axis_name!r}"
+        if inference_flag(self):
+            # PyTorch: `bn_training = training or running stats are None`, and
+            # F.batch_norm refuses one value per channel whenever it is set.
+            return (
+                f"BatchNorm got one value per channel{where} (input shape {shape}) "
+                f"{self._why()}: the batch variance is 0, so every output would "
+                "be the bias (PyTorch raises here too). Evaluate on batches of "
+                "more than one example, or build the layer with "
+                "track_running_stats=True to evaluate with running statistics."
+            )
+        return (
+            f"BatchNorm got one value per channel{where} (input shape {shape}) in "
+            "training mode: the batch variance is 0, so the running variance would "
+            "shrink towards 0 (PyTorch raises here too). Train with batches of more "
+            "than one example, or evaluate with `eqx.nn.inference_mode(model)`."
+        )
 
     def _running_stats(self, cdtype) -> tuple[Array, Array]:
         assert self.running_mean is not None and self.running_var is not None

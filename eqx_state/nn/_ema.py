@@ -10,6 +10,7 @@ from jaxtyping import Array, Int, PyTree
 from .._buffer import AverageState, _is_param, is_state, params
 from .._errors import StateValueError
 from ._flag import inference_flag
+from ._kv_cache import KVCache
 
 
 _Model = TypeVar("_Model")
@@ -190,9 +191,10 @@ class EMA(eqx.Module):
             raise StateValueError(
                 f"EMA.{what} got a model whose parameters do not have the structure "
                 f"of the model the EMA was built from ({len(leaves)} parameter arrays, "
-                f"expected {len(self.hidden)}). Pass the same kind of model that was "
-                "given to `EMA(...)` (e.g. `model.net`, not the module that holds "
-                f"the EMA).\n  expected: {self.treedef}\n  got:      {treedef}"
+                f"expected {len(self.hidden)}).{_same_count_hint(model, len(leaves) == len(self.hidden))} "
+                "Pass the same kind of model that was given to `EMA(...)` (e.g. "
+                "`model.net`, not the module that holds the EMA)."
+                f"\n  expected: {self.treedef}\n  got:      {treedef}"
             )
         for i, (x, cell) in enumerate(zip(leaves, self.hidden)):
             if x.shape != cell.shape:
@@ -284,6 +286,26 @@ class EMA(eqx.Module):
         _, rest = eqx.partition(model, _is_param, is_leaf=is_state)
         new = jax.tree_util.tree_unflatten(self.treedef, avg)
         return eqx.combine(new, rest, is_leaf=is_state)
+
+
+def _same_count_hint(model: Any, same_count: bool) -> str:
+    """What differs when the parameter arrays are as many as expected: a field
+    holding no parameter, most often the KV caches of `with_kv_cache`."""
+    if not same_count:
+        return ""
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, KVCache))
+    if any(isinstance(x, KVCache) for x in leaves):
+        return (
+            " The parameters match, but this model holds KV caches (added by "
+            "`es.nn.with_kv_cache`) where the EMA's model held none: average the "
+            "model without them and add them after, e.g. `es.nn.with_kv_cache("
+            "ema.averaged(es.nn.without_kv_cache(model)), max_len)`."
+        )
+    return (
+        " The parameter arrays match in number, so a field that holds no parameter "
+        "differs (a state cell, or a `None` field such as a KV cache added or "
+        "removed with `es.nn.with_kv_cache` / `es.nn.without_kv_cache`)."
+    )
 
 
 def _accumulation_dtype(param_dtype: Any, requested: Any) -> Any:

@@ -78,12 +78,15 @@ def loss_fn(model, x, y):
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
-@pytest.mark.parametrize("select", ["where", "only"])
+@pytest.mark.parametrize("select", ["where", "only", "parts"])
 def test_frozen_backbone_statistics_train_like_torch(mode, select):
     tnet = _warm_torch()
     model = es.load_state_dict(Net(), tnet.state_dict())
     if select == "where":  # the backbone in evaluation mode
         model = es.inference_mode(model, where=lambda m: m.backbone)
+    elif select == "parts":  # several parts, one (`fc`) without any BatchNorm
+        parts = lambda m: (m.fc, m.backbone)  # noqa: E731
+        model = es.inference_mode(model, where=parts, only=es.nn.BatchNorm)
     else:  # only the backbone's BatchNorm (a predicate on modules)
         bn = model.backbone.layers[1]
         model = es.inference_mode(model, only=lambda m: m is bn)
@@ -185,6 +188,11 @@ def test_selecting_nothing_is_an_error():
         es.inference_mode(Net(), only=eqx.nn.BatchNorm)
     with pytest.raises(ValueError, match="`where`"):
         es.inference_mode(Net(), where=lambda m: m.fc)
+    # several parts, none with a match: still an error (one with a match is not)
+    with pytest.raises(ValueError, match="`where` and `only` selected no layer"):
+        es.inference_mode(
+            Net(), where=lambda m: (m.fc, m.head.layers[0]), only=es.nn.BatchNorm
+        )
     with pytest.raises(TypeError, match="`only` must be|parameter .only."):  # beartype
         es.inference_mode(Net(), only="BatchNorm")  # pyright: ignore
 

@@ -246,7 +246,11 @@ def test_array_kind_must_match_like(tmp_path):
     with pytest.raises(
         es.CheckpointError, match=r"NumPy scalar but `like` holds a NumPy array"
     ):
-        es.load(tmp_path / "c", like={"x": np.zeros((), np.float32)})
+        es.load(tmp_path / "c", like={"x": np.zeros(1, np.float32)})
+    with pytest.raises(
+        es.CheckpointError, match=r"NumPy scalar but `like` holds a JAX array"
+    ):
+        es.load(tmp_path / "c", like={"x": jnp.zeros((), np.float32)})
 
 
 @pytest.mark.parametrize(
@@ -380,6 +384,101 @@ def test_file_objects(tmp_path):
         es.save(f, model)
     with open(tmp_path / "c") as f, pytest.raises(es.CheckpointError, match="'rb'"):
         es.load(f, like=model)
+
+
+def _reads_item_by_item(save, load, a, b, make_stream):
+    """Two items saved one after the other into one stream: `load` reads exactly
+    one per call. Returns the two items and the stream position after the first."""
+    stream = make_stream()
+    save(stream, a)
+    first_end = stream.tell()
+    save(stream, b)
+    stream.seek(0)
+    got_a = load(stream, a)
+    at = stream.tell()
+    assert at == first_end
+    return got_a, load(stream, b), at
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_stream_of_two_checkpoints_reads_one_per_call(tmp_path, mode):
+    """As `np.load` and `eqx.tree_deserialise_leaves` on a stream: each call reads
+    one item and leaves the stream just after it (the references run first, on
+    the same kind of stream)."""
+    a, b = _in_mode(Net(0), mode), _in_mode(Net(1), mode)
+    # references: NumPy's and Equinox's own stream behaviour
+    x, y = np.arange(3.0), np.arange(5)
+    load_npy = lambda f, like: np.load(f)  # noqa: E731
+    got_x, got_y, _ = _reads_item_by_item(np.save, load_npy, x, y, io.BytesIO)
+    np.testing.assert_array_equal(got_x, x)
+    np.testing.assert_array_equal(got_y, y)
+    ea, eb = Net(0).lin, Net(1).lin  # (Equinox cannot serialise typed keys)
+    got_ea, got_eb, _ = _reads_item_by_item(
+        eqx.tree_serialise_leaves, eqx.tree_deserialise_leaves, ea, eb, io.BytesIO
+    )
+    assert np.array_equal(np.asarray(got_ea.weight), np.asarray(ea.weight))
+    assert np.array_equal(np.asarray(got_eb.weight), np.asarray(eb.weight))
+    # es.save / es.load: the same, into BytesIO and into a real file
+    got_a, got_b, at = _reads_item_by_item(
+        es.save, lambda f, like: es.load(f, like=like), a, b, io.BytesIO
+    )
+    single = io.BytesIO()
+    es.save(single, a)
+    assert at == len(single.getvalue())
+    assert_tree_exact(got_a, a)
+    assert_tree_exact(got_b, b)
+    path = tmp_path / "two.eqxs"
+    with open(path, "wb") as f:
+        es.save(f, a)
+        es.save(f, b)
+    with open(path, "rb") as f:
+        assert_tree_exact(es.load(f, like=a), a)
+        assert_tree_exact(es.load(f, like=b), b)
+        assert f.read() == b""
+    # from a path, as `np.load(path)`: the first
+    assert_tree_exact(es.load(path, like=a), a)
+    path.write_bytes(single.getvalue() + b"\0")
+    with pytest.raises(es.CheckpointError, match="followed by a byte that starts no"):
+        es.load(path, like=a)  # a byte that starts no checkpoint: corrupt
+
+
+def test_a_stream_of_two_checkpoints_keeps_its_corruption_detection():
+    a, b = Net(0), Net(1)
+    stream = io.BytesIO()
+    es.save(stream, a)
+    n = stream.tell()
+    es.save(stream, b)
+    blob = stream.getvalue()
+    bad = bytearray(blob)
+    bad[n + len(bad[n:]) // 2] ^= 1  # the second checkpoint's payload
+    stream = io.BytesIO(bytes(bad))
+    assert_tree_exact(es.load(stream, like=a), a)  # the first is intact
+    with pytest.raises(es.CheckpointError, match="do not match the checksum"):
+        es.load(stream, like=b)
+    bad = bytearray(blob)
+    bad[n // 2] ^= 1  # the first's
+    with pytest.raises(es.CheckpointError):
+        es.load(io.BytesIO(bytes(bad)), like=a)
+    with pytest.raises(es.CheckpointError, match="followed by bytes that start no"):
+        es.load(io.BytesIO(blob[:n] + b"garbage!" + blob[n:]), like=a)
+    with pytest.raises(es.CheckpointError, match="do not match the checksum"):
+        es.load(io.BytesIO(blob[: n - 1] + blob[n:]), like=a)  # one byte short
+
+
+def test_a_pipe_of_two_checkpoints_reads_one_per_call():
+    """A stream that cannot seek (a pipe) is read sequentially, one per call."""
+    a, b = es.to_refs(Net(0)), Net(1)
+    buffer = io.BytesIO()
+    es.save(buffer, a)
+    es.save(buffer, b)
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "wb") as w:
+        w.write(buffer.getvalue())  # small: fits in the pipe's buffer
+    with os.fdopen(read_fd, "rb") as r:
+        assert not r.seekable()
+        assert_tree_exact(es.load(r, like=a), a)
+        assert_tree_exact(es.load(r, like=b), b)
+        assert r.read() == b""
 
 
 @pytest.fixture

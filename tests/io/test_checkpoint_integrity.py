@@ -274,8 +274,8 @@ def malformed():
         lambda h: entry_at(h, "['n']").update(kind="jax", weak_type=False, ref=False),
     )
     case(
-        "numpy scalar to numpy array",
-        lambda h: entry_at(h, "['n']").update(kind="numpy"),
+        "numpy scalar to numpy array of another shape",
+        lambda h: entry_at(h, "['n']").update(kind="numpy", shape=[1]),
     )
     case(
         "python float to int", lambda h: entry_at(h, "['p']").update(python_type="int")
@@ -330,6 +330,18 @@ MALFORMED = malformed()
 def test_malformed_files_raise_checkpoint_error(name):
     with pytest.raises(es.CheckpointError, match="<file object>"):
         load_bytes(MALFORMED[name])
+
+
+def test_a_numpy_scalar_recorded_as_a_0d_array_loads_the_same_value():
+    """A NumPy scalar and a 0-d NumPy array are the same data: a header that says
+    one where the other was saved loads exactly the saved value, as `like`'s type
+    (the rule `es.load` shares with `es.from_orbax`; tests/io/test_orbax.py)."""
+    blob = saved_bytes()
+    header = header_of(blob)
+    entry_at(header, "['n']").update(kind="numpy")
+    got = load_bytes(with_header(blob, header))
+    assert_tree_exact(got, small_tree())
+    assert type(got["n"]) is np.int64 and got["n"] == 2**40 + 1
 
 
 def test_errors_name_the_first_bad_entry():

@@ -4,6 +4,7 @@ in both storage modes, keep-last-N and save-every-K, async saves that do not blo
 training (and survive the next donating step), and bit-exact resume of
 examples/resume_orbax.py across processes, after a clean stop and after a crash."""
 
+import io
 import subprocess
 import sys
 import threading
@@ -250,6 +251,77 @@ def test_numpy_int64_into_an_abstract_like_is_not_downcast(tmp_path):
     assert loaded["n"].dtype == np.int64 and int(loaded["n"][0]) == 2**40 + 3
     assert loaded["s"].dtype == np.float64 and float(loaded["s"]) == 1 / 3
     assert isinstance(loaded["j"], jax.Array)
+
+
+class Loader(eqx.Module):
+    """A model with NumPy data positions: a NumPy scalar and a 0-d NumPy array."""
+
+    bn: es.nn.BatchNorm
+    position: np.int64
+    epoch: np.ndarray
+
+    def __init__(self, seed=0):
+        self.bn = es.nn.BatchNorm(2)
+        self.position = np.int64(2**40 + seed)
+        self.epoch = np.asarray(np.float32(seed + 0.5))
+
+
+def _load_bytes(blob, like):
+    return es.load(io.BytesIO(blob), like=like)
+
+
+def _saved(tree):
+    buffer = io.BytesIO()
+    es.save(buffer, tree)
+    return buffer.getvalue()
+
+
+def _assert_numpy_leaves(got, like, want):
+    """`got`'s NumPy leaves have the type of `like`'s (one rule for every load
+    path) and hold `want`'s values, by NumPy's own comparison."""
+    for name in ("position", "epoch"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert type(g) is type(getattr(like, name)), (name, type(g))
+        assert np.asarray(g).dtype == np.asarray(w).dtype
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_numpy_data_positions_orbax_then_es_load(tmp_path, mode):
+    """Orbax stores a NumPy scalar as a 0-d array. Restored into an abstract model,
+    it comes back as `es.load` gives it (the same rule, one function): a 0-d NumPy
+    value as a NumPy scalar. A later `es.save` / `es.load` into a normally built
+    model then gives that model's types: a NumPy scalar and a 0-d array."""
+    model = in_mode(Loader(seed=3), mode)
+    abstract = eqx.filter_eval_shape(Loader, 0)
+    restored = save_and_restore(tmp_path, model, abstract)
+    via_es = _load_bytes(_saved(model), abstract)  # the other path, same like
+    for name in ("position", "epoch"):
+        got, other = getattr(restored, name), getattr(via_es, name)
+        assert type(got) is type(other) and isinstance(got, np.generic)
+    built = in_mode(Loader(seed=0), mode)
+    again = _load_bytes(_saved(restored), built)
+    _assert_numpy_leaves(again, built, model)
+    assert isinstance(again.bn.running_mean.value, type(built.bn.running_mean.value))
+    concrete = save_and_restore(tmp_path / "2", model, built)  # concrete like
+    _assert_numpy_leaves(concrete, built, model)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_numpy_data_positions_es_load_then_orbax(tmp_path, mode):
+    """The other way round: `es.load` into an abstract model, then an Orbax
+    save and a restore into a normally built model, and into an abstract one."""
+    model = in_mode(Loader(seed=3), mode)
+    abstract = eqx.filter_eval_shape(Loader, 0)
+    loaded = _load_bytes(_saved(model), abstract)
+    built = in_mode(Loader(seed=0), mode)
+    restored = save_and_restore(tmp_path, loaded, built)
+    _assert_numpy_leaves(restored, built, model)
+    back = save_and_restore(tmp_path / "2", loaded, abstract)
+    _assert_numpy_leaves(back, loaded, model)
+    # a 0-d NumPy array saved by es.save loads into a NumPy scalar and back
+    swapped = eqx.tree_at(lambda m: m.epoch, built, np.float32(0))
+    _assert_numpy_leaves(_load_bytes(_saved(model), swapped), swapped, model)
 
 
 def test_the_package_imports_without_orbax():

@@ -644,3 +644,94 @@ def test_bfloat16_model_keeps_float32_statistics_that_do_not_stall():
         bn = step(bn, x)
         want = (1 - m) * want + m * np.asarray(x, np.float64).mean()
     np.testing.assert_allclose(float(bn.running_mean[...][0]), want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1), (1, 3, 2)])
+def test_one_value_per_channel_is_refused_exactly_where_torch_refuses(
+    mode, track, train, shape
+):
+    """PyTorch normalises with batch statistics when training *or* when it has no
+    running statistics (`bn_training`), and refuses one value per channel whenever
+    it does: so `track_running_stats=False` refuses it in evaluation too. Each case
+    follows torch: the same refusal, or the same output."""
+    x = np.random.default_rng(3).normal(size=shape).astype(np.float32) + 1
+    tbn = torch.nn.BatchNorm1d(3, track_running_stats=track).train(train)
+    try:
+        want = tbn(torch.from_numpy(x)).detach().numpy()
+    except ValueError as e:
+        assert "Expected more than 1 value per channel" in str(e)
+        want = None
+    bn = es.nn.BatchNorm(3, track_running_stats=track, inference=not train)
+    bn = es.to_refs(bn) if mode == "ref" else bn
+    if want is None:
+        why = "in training mode" if train else "in evaluation mode without running"
+        with pytest.raises(ValueError, match=f"one value per channel .* {why}"):
+            _run(mode, bn, jnp.asarray(x))
+    else:
+        y, _ = _run(mode, bn, jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
+def test_single_example_without_running_stats_in_evaluation_is_refused():
+    bn = es.nn.BatchNorm(4, channel_axis=0, track_running_stats=False)
+    with pytest.raises(ValueError, match="evaluation mode without running stat"):
+        eqx.nn.inference_mode(bn)(jnp.ones(4))
+    # with running statistics, evaluation of one example is fine (as in torch)
+    y = es.nn.BatchNorm(4, channel_axis=0, inference=True)(jnp.ones(4))
+    np.testing.assert_allclose(y, np.ones(4) / np.sqrt(1 + 1e-5), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_all_masked_channel_gives_nan_like_flax_with_finite_gradients(mode):
+    """A channel with no unmasked entry has no batch statistics: its output is NaN,
+    as flax.linen.BatchNorm(mask=) gives (both variance algorithms); the other
+    channels equal Flax's. The running statistics of that channel are kept (Flax
+    writes NaN there; PyTorch keeps them on an empty batch)."""
+    flax_nn = pytest.importorskip("flax.linen")
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 3)).astype(np.float32) * 2 + 1
+    mask = np.broadcast_to(np.array([True, False, True]), x.shape).copy()
+    mask[4:, 0] = False
+    bn = es.nn.BatchNorm(3, channel_axis=-1, unbiased_running_var=False)
+    bn = es.to_refs(bn) if mode == "ref" else bn
+    fn = lambda m, x: m(x, mask=jnp.asarray(mask))  # noqa: E731
+    xj = jnp.asarray(x)
+    y, bn = (fn(bn, xj), bn) if mode == "ref" else es.apply(fn, bn, xj)
+    for fast in (True, False):
+        fbn = flax_nn.BatchNorm(
+            use_running_average=False, momentum=0.9, use_fast_variance=fast
+        )
+        variables = fbn.init(jax.random.key(0), x, mask=mask)
+        fy, fvars = fbn.apply(variables, x, mask=mask, mutable=["batch_stats"])
+        assert np.isnan(fy[:, 1]).all()
+        np.testing.assert_allclose(np.asarray(y), fy, rtol=1e-5, atol=1e-5)
+    assert np.isnan(fvars["batch_stats"]["mean"][1])
+    np.testing.assert_allclose(
+        bn.running_mean[...],
+        [0.1 * x[:4, 0].mean(), 0.0, 0.1 * x[:, 2].mean()],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(bn.running_var[...][1], 1.0)
+
+    # gradients of a loss masked with `where`: Flax's are NaN for the empty
+    # channel's scale (0 * NaN); here they are 0, and the others equal Flax's.
+    def es_loss(wb):
+        m = eqx.tree_at(lambda b: (b.weight, b.bias), es.freeze(bn), wb)
+        y, _ = es.apply(fn, m, jnp.asarray(x))
+        return jnp.sum(jnp.where(mask, y, 0) ** 3)
+
+    def flax_loss(params):
+        fy, _ = fbn.apply(
+            {**variables, "params": params}, x, mask=mask, mutable=["batch_stats"]
+        )
+        return jnp.sum(jnp.where(mask, fy, 0) ** 3)
+
+    gw, gb = map(np.asarray, jax.grad(es_loss)((jnp.ones(3), jnp.zeros(3))))
+    fg = jax.tree.map(np.asarray, jax.grad(flax_loss)(variables["params"]))
+    assert np.isnan(fg["scale"][1])
+    np.testing.assert_array_equal([gw[1], gb[1]], [0.0, 0.0])
+    np.testing.assert_allclose(gw[[0, 2]], fg["scale"][[0, 2]], rtol=1e-4)
+    np.testing.assert_allclose(gb[[0, 2]], fg["bias"][[0, 2]], rtol=1e-4, atol=1e-5)

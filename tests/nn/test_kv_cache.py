@@ -585,6 +585,89 @@ def test_batched_cache_needs_vmap():
         es.nn.with_kv_cache(attn, 8, batch_size=0)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_vmap_over_caches_built_without_batch_size_names_the_fix(mode):
+    """`kv_cache_axes` of one-sequence caches used to reach JAX's bare "rank should
+    be at least 1" inside `jax.vmap`; it names `batch_size=` instead. With it, the
+    same call decodes each row as the row alone does."""
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 3, D))
+    single = as_mode(es.nn.with_kv_cache(attn, 8), mode)
+    with pytest.raises(
+        ValueError,
+        match=r"holds one sequence.*with_kv_cache\(model, max_len, batch_size=B\)",
+    ):
+        es.nn.kv_cache_axes(single)
+    batch = as_mode(es.nn.with_kv_cache(attn, 8, batch_size=2), mode)
+
+    def decode(m, x):
+        return jax.vmap(lambda m, x: m(x), in_axes=(es.nn.kv_cache_axes(m), 0))(m, x)
+
+    y, batch = (
+        (decode(batch, x), batch) if mode == "ref" else es.apply(decode, batch, x)
+    )
+    for i in range(2):  # the reference: the uncached causal forward of each row
+        np.testing.assert_allclose(y[i], attn(x[i]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(batch.cache.length, [3, 3])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_caches_of_a_batched_model_need_batch_size(mode):
+    """A batched model (parameters stacked by `eqx.filter_vmap`) given one-sequence
+    caches used to fail under `jax.vmap` with JAX's bare "rank should be at least
+    1"; `with_kv_cache` names `batch_size=3`, and with it each member decodes as
+    that member alone (its uncached forward)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    stack = eqx.filter_vmap(lambda k: es.nn.CausalSelfAttention(D, H, key=k))(keys)
+    with pytest.raises(
+        ValueError,
+        match=r"stacked over a leading axis of size 3.*"
+        r"with_kv_cache\(model, max_len, batch_size=3\)",
+    ):
+        es.nn.with_kv_cache(stack, 8)
+    with pytest.raises(ValueError, match=r"batch_size=2 does not match"):
+        es.nn.with_kv_cache(stack, 8, batch_size=2)
+    cached = as_mode(es.nn.with_kv_cache(stack, 8, batch_size=3), mode)
+    x = jax.random.normal(jax.random.key(1), (3, 5, D))
+
+    def decode(m, x):  # a prompt of 3, then 2 tokens one at a time
+        run = jax.vmap(lambda m, x: m(x))
+        return jnp.concatenate(
+            [run(m, x[:, :3]), run(m, x[:, 3:4]), run(m, x[:, 4:])], 1
+        )
+
+    y, cached = (
+        (decode(cached, x), cached) if mode == "ref" else es.apply(decode, cached, x)
+    )
+    for i in range(3):
+        member = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, stack)
+        np.testing.assert_allclose(y[i], member(x[i]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(cached.cache.length, [5, 5, 5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ema_of_a_model_given_kv_caches_names_the_fix(mode):
+    """`EMA.averaged` of a decoder built by `with_kv_cache` from the averaged model
+    used to say "8 parameter arrays, expected 8"; it names the caches and the fix,
+    and the fix gives the averaged decoder."""
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    ema = es.nn.EMA(attn, decay=0.5)
+    moved = jax.tree.map(lambda a: a + 1.0 if eqx.is_inexact_array(a) else a, attn)
+    _, ema = es.apply(lambda e, m: e.update(m), ema, moved)
+    cached = as_mode(es.nn.with_kv_cache(moved, 8), mode)
+    with pytest.raises(
+        ValueError,
+        match=r"parameters match, but this model holds KV caches.*"
+        r"with_kv_cache\(ema\.averaged\(es\.nn\.without_kv_cache\(model\)\), max_len\)",
+    ):
+        ema.averaged(cached)
+    fixed = es.nn.with_kv_cache(ema.averaged(es.nn.without_kv_cache(cached)), 8)
+    # the reference: after one update the average is decay * init + (1 - decay) * new
+    want = 0.5 * attn.query_proj.weight + 0.5 * moved.query_proj.weight
+    np.testing.assert_allclose(fixed.query_proj.weight, want, rtol=1e-6)
+    assert fixed.cache is not None
+
+
 # --- kinds, reset fills, what overflow raises where ----------------------------------
 
 
