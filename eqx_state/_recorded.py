@@ -72,14 +72,17 @@ def recorded(model: Any) -> dict[str, Array]:
     model's structure, never from array shapes: the recorder's stacking axes are
     those of its cells beyond their declared shapes, and the index goes right
     after the path of the module that holds the recorder (the block that
-    `eqx.filter_vmap` stacked). A stack of blocks at `blocks`, each with a recorder
-    field `act`, reports `"blocks.0.act.std"`, `"blocks.1.act.std"`, ..., the
-    names a Python list of the same blocks gives; a list of two such stacks,
+    `eqx.filter_vmap` stacked) — or of the outermost module on its path that holds
+    another recorder stacked alike, when every recorder inside that module is
+    stacked alike. A stack of blocks at `blocks`, each with a recorder field
+    `act`, reports `"blocks.0.act.std"`, `"blocks.1.act.std"`, ..., the names a
+    Python list of the same blocks gives; a list of two such stacks,
     `"0.1.act.std"` for layer 1 of stack 0. A recorder held by no module (a
     stacked recorder at the root, or in a list or dict) is the stack itself: the
-    index goes after its own path (`"members.0.max"`). (A recorder in a submodule
-    of a stacked block is indexed after that submodule, `"blocks.mlp.0.act.std"`:
-    make it a field of the stacked block for the list's names.)
+    index goes after its own path (`"members.0.max"`). (A stacked block whose
+    only recorder sits in a submodule is indexed after that submodule,
+    `"blocks.mlp.0.act.std"`: a recorder field of the block itself gives the
+    list's names to both.)
 
     A read: it writes nothing and works eagerly, under `jit` and in both modes
     (e.g. in the `aux` of a loss function, to return the recordings of a step from
@@ -121,26 +124,61 @@ def recorded(model: Any) -> dict[str, Array]:
         # which the next donating step would delete after it was handed out
         return v if isinstance(v, Tracer) else jnp.array(v, copy=True)
 
+    recorders = [(tuple(p), r) for p, r in nodes if _is_recorder(r)]
+    roots = _stack_roots(model, recorders)
     out: dict[str, Array] = {}
-    for path, node in nodes:
-        if not _is_recorder(node):
-            continue
+    for (path, node), root in zip(recorders, roots):
         values = node.read()
-        names, modules = _names(model, tuple(path))
-        lead = node._stack_shape()  # from the recorder's declared shapes
+        names, _ = _names(model, path)
+        lead = node._stack_shape()
         if not lead:
             for name, v in values.items():
                 _put(out, _dotted(*names, name), fresh(v))
             continue
-        # the stack is the module that holds the recorder (the block that
-        # `eqx.filter_vmap` stacked); a recorder held by no module is the stack
-        owner = max((i for i, m in enumerate(modules) if m), default=len(path))
-        outer, inner = _dotted(*names[:owner]), _dotted(*names[owner:])
+        outer, inner = _dotted(*names[:root]), _dotted(*names[root:])
         for index in _indices(lead):
             at = ".".join(map(str, index))
             for name, v in values.items():
                 _put(out, _dotted(outer, at, inner, name), v[index])
     return out
+
+
+def _stack_roots(model: Any, recorders: list[tuple[tuple, Any]]) -> list[int]:
+    """For each recorder, how many keys of its path lead to the stack its extra
+    axes index (where its index goes in its name). From the structure alone:
+
+    - a stacked recorder's stacking axes are its cells' axes beyond their declared
+      shapes (the recorder's own static configuration);
+    - its stack is the module that holds it (the block `eqx.filter_vmap` stacked),
+      or, if another stacked recorder with the same stacking axes is held by a
+      module further out on its path, the outermost such module (a block holding
+      the recorder in a submodule is one stack, named as one), provided that every
+      recorder inside that module is stacked alike;
+    - a recorder held by no such module (at the root, in a list or dict) is the
+      stack itself: the index follows its own path."""
+    info = []
+    for path, node in recorders:
+        _, modules = _names(model, path)
+        owner = max((i for i, m in enumerate(modules) if m), default=None)
+        info.append((path, node._stack_shape(), owner))
+
+    def uniform(prefix: tuple, lead: tuple) -> bool:
+        return all(
+            other_lead == lead
+            for other, other_lead, _ in info
+            if other[: len(prefix)] == prefix
+        )
+
+    candidates = {
+        (path[:owner], lead)
+        for path, lead, owner in info
+        if lead and owner is not None and uniform(path[:owner], lead)
+    }
+    roots = []
+    for path, lead, _ in info:
+        found = [len(p) for p, ld in candidates if ld == lead and path[: len(p)] == p]
+        roots.append(min(found, default=len(path)))
+    return roots
 
 
 def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -429,7 +429,7 @@ class Narrow(eqx.Module):
         self.linear = eqx.nn.Linear(2, 2, key=key)
         self.rec = es.nn.Record("mean")
 
-    def __call__(self, x):
+    def __call__(self, x, *, key=None):
         return self.rec(jax.vmap(self.linear)(x))
 
 
@@ -530,10 +530,10 @@ def test_recorded_names_are_the_state_dict_names(ref_mode):
     np.testing.assert_allclose(got["features.2.mean"], h.mean(), atol=1e-5)
     np.testing.assert_allclose(got["features.4.max"], np.maximum(h, 0).max(), rtol=1e-5)
 
+    # a stack of Sequentials, one recorder a field of a block inside: one stack,
+    # named as a Python list of the Sequentials
     def layer(k):
-        return eqx.nn.Sequential([
-            es.nn.Batched(eqx.nn.Linear(2, 2, key=k)), es.nn.Record("mean")
-        ])  # fmt: skip
+        return eqx.nn.Sequential([Narrow(k), es.nn.Record("mean")])
 
     keys = jax.random.split(jax.random.key(2), 2)
     seq = {"blocks": eqx.filter_vmap(layer)(keys)}
@@ -541,10 +541,15 @@ def test_recorded_names_are_the_state_dict_names(ref_mode):
         seq = es.to_refs(seq)
     _, seq = es.apply(lambda s, x: _scan(s["blocks"], x), seq, x[:, :2])
     got = es.recorded(seq)
-    assert list(got) == ["blocks.0.1.mean", "blocks.1.1.mean"]  # a list's names
-    lins = [eqx.nn.Linear(2, 2, key=k) for k in keys]
+    assert list(got) == [
+        "blocks.0.0.rec.mean", "blocks.1.0.rec.mean",
+        "blocks.0.1.mean", "blocks.1.1.mean",
+    ]  # fmt: skip
+    lins = [Narrow(k).linear for k in keys]
     want = _hand_means([m.weight for m in lins], [m.bias for m in lins], x[:, :2])
-    np.testing.assert_allclose(list(got.values()), want, rtol=1e-5)
+    for i in (0, 1):  # both recorders of layer i see its output
+        np.testing.assert_allclose(got[f"blocks.{i}.0.rec.mean"], want[i], rtol=1e-5)
+        np.testing.assert_allclose(got[f"blocks.{i}.1.mean"], want[i], rtol=1e-5)
 
 
 # --------------------------------------------------------- reading, resetting
