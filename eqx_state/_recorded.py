@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._buffer import is_array
 from ._compat import Tracer
-from ._modes import path_str
+
+# one naming rule for every persistence path: PyTorch's, as `es.state_dict`
+from ._state_dict import _TRANSPARENT, _join, _key_name, _put
 from .nn._record import Recorder
 
 
@@ -19,23 +21,39 @@ def _is_recorder(x: Any) -> bool:
     return isinstance(x, Recorder)
 
 
-def _stack_root(leaves: list[tuple[tuple, Any]], path: tuple, lead: tuple) -> int:
-    """How many keys of `path` lead to the outermost module whose arrays all have
-    the leading axes `lead`: the stack (of layers, of ensemble members) that the
-    recorder's extra axes index. Its index goes right after that module's path, so
-    that `blocks.3.act.std` names the same layer whether the blocks are a Python
-    list or a stack scanned over."""
-    k = len(lead)
-    for i in range(len(path) + 1):
-        prefix = path[:i]
-        inside = [x for p, x in leaves if p[:i] == prefix and is_array(x)]
-        if inside and all(tuple(x.shape[:k]) == lead for x in inside):
-            return i
-    return len(path)  # pragma: no cover - the recorder's own cells always fit
+def _child(node: Any, key: Any) -> Any:
+    """The child of the pytree node `node` under the key-path entry `key` (one
+    level of `jax.tree_util.tree_flatten_with_path`, so any pytree works)."""
+    children = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )[0]
+    for (k,), child in children:
+        if k == key:
+            return child
+    raise KeyError(key)  # pragma: no cover - `key` comes from flattening `node`
 
 
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
+def _names(model: Any, path: tuple) -> tuple[list[str], list[bool]]:
+    """The recorder at `path` in `model`, named as `es.state_dict` names it: one
+    name per key of the path (`""` for the field of a container that PyTorch does
+    not name: `eqx.nn.Sequential`'s `layers`, `es.nn.Batched`'s `layer`), and, per
+    key, whether the node the key leads out of is an `eqx.Module`."""
+    names, modules = [], []
+    node = model
+    for key in path:
+        field = _TRANSPARENT.get(type(node))
+        hidden = isinstance(key, jax.tree_util.GetAttrKey) and key.name == field
+        names.append("" if hidden else _key_name(key))
+        modules.append(isinstance(node, eqx.Module))
+        node = _child(node, key)
+    return names, modules
+
+
+def _dotted(*parts: str) -> str:
+    name = ""
+    for part in parts:
+        name = _join(name, part)
+    return name
 
 
 def recorded(model: Any) -> dict[str, Array]:
@@ -44,11 +62,27 @@ def recorded(model: Any) -> dict[str, Array]:
     `"<path of the recorder>.<statistic>"` (`"blocks.3.act.std"`) and every
     [`eqx_state.nn.Capture`][] under its path.
 
+    Paths are named as [`eqx_state.state_dict`][] names the model (PyTorch's
+    names): fields by name, list/tuple items by index, dict items by key, and an
+    `eqx.nn.Sequential` as `torch.nn.Sequential` (`"features.2.std"`, not
+    `"features.layers.2.std"`; an `es.nn.Batched` wrapper is the layer it maps).
+
     A stacked recorder (layers stacked for scan-over-layers, an ensemble made with
-    `eqx.filter_vmap`) reports one entry per layer: its index goes after the path
-    of the outermost module whose arrays are all stacked, so a stack of blocks at
-    `blocks` reports `"blocks.0.act.std"`, `"blocks.1.act.std"`, ..., the names a
-    Python list of the same blocks gives.
+    `eqx.filter_vmap`) reports one entry per layer. The names come from the
+    model's structure, never from array shapes: the recorder's stacking axes are
+    those of its cells beyond their declared shapes, and the index goes right
+    after the path of the module that holds the recorder (the block that
+    `eqx.filter_vmap` stacked) — or of the outermost module on its path that holds
+    another recorder stacked alike, when every recorder inside that module is
+    stacked alike. A stack of blocks at `blocks`, each with a recorder field
+    `act`, reports `"blocks.0.act.std"`, `"blocks.1.act.std"`, ..., the names a
+    Python list of the same blocks gives; a list of two such stacks,
+    `"0.1.act.std"` for layer 1 of stack 0. A recorder held by no module (a
+    stacked recorder at the root, or in a list or dict) is the stack itself: the
+    index goes after its own path (`"members.0.max"`). (A stacked block whose
+    only recorder sits in a submodule is indexed after that submodule,
+    `"blocks.mlp.0.act.std"`: a recorder field of the block itself gives the
+    list's names to both.)
 
     A read: it writes nothing and works eagerly, under `jit` and in both modes
     (e.g. in the `aux` of a loss function, to return the recordings of a step from
@@ -79,7 +113,7 @@ def recorded(model: Any) -> dict[str, Array]:
         es.nn.Record("std", "dead_fraction"),
     ])
     y, model = es.apply(lambda m, x: m(x), model, jnp.ones((8, 3)))
-    print(sorted(es.recorded(model)))  # ['layers.2.dead_fraction', 'layers.2.std']
+    print(sorted(es.recorded(model)))  # ['2.dead_fraction', '2.std']
     model = es.reset(model, es.RecordState)  # start the recordings over
     ```
     """
@@ -90,26 +124,61 @@ def recorded(model: Any) -> dict[str, Array]:
         # which the next donating step would delete after it was handed out
         return v if isinstance(v, Tracer) else jnp.array(v, copy=True)
 
-    leaves: list[tuple[tuple, Any]] | None = None
+    recorders = [(tuple(p), r) for p, r in nodes if _is_recorder(r)]
+    roots = _stack_roots(model, recorders)
     out: dict[str, Array] = {}
-    for path, node in nodes:
-        if not _is_recorder(node):
-            continue
+    for (path, node), root in zip(recorders, roots):
         values = node.read()
+        names, _ = _names(model, path)
         lead = node._stack_shape()
         if not lead:
             for name, v in values.items():
-                out[_join(path_str(path), name)] = fresh(v)
+                _put(out, _dotted(*names, name), fresh(v))
             continue
-        if leaves is None:
-            leaves = jax.tree_util.tree_flatten_with_path(model)[0]
-        root = _stack_root(leaves, tuple(path), lead)
-        outer, inner = path_str(path[:root]), path_str(path[root:])
+        outer, inner = _dotted(*names[:root]), _dotted(*names[root:])
         for index in _indices(lead):
             at = ".".join(map(str, index))
             for name, v in values.items():
-                out[_join(outer, at, inner, name)] = v[index]
+                _put(out, _dotted(outer, at, inner, name), v[index])
     return out
+
+
+def _stack_roots(model: Any, recorders: list[tuple[tuple, Any]]) -> list[int]:
+    """For each recorder, how many keys of its path lead to the stack its extra
+    axes index (where its index goes in its name). From the structure alone:
+
+    - a stacked recorder's stacking axes are its cells' axes beyond their declared
+      shapes (the recorder's own static configuration);
+    - its stack is the module that holds it (the block `eqx.filter_vmap` stacked),
+      or, if another stacked recorder with the same stacking axes is held by a
+      module further out on its path, the outermost such module (a block holding
+      the recorder in a submodule is one stack, named as one), provided that every
+      recorder inside that module is stacked alike;
+    - a recorder held by no such module (at the root, in a list or dict) is the
+      stack itself: the index follows its own path."""
+    info = []
+    for path, node in recorders:
+        _, modules = _names(model, path)
+        owner = max((i for i, m in enumerate(modules) if m), default=None)
+        info.append((path, node._stack_shape(), owner))
+
+    def uniform(prefix: tuple, lead: tuple) -> bool:
+        return all(
+            other_lead == lead
+            for other, other_lead, _ in info
+            if other[: len(prefix)] == prefix
+        )
+
+    candidates = {
+        (path[:owner], lead)
+        for path, lead, owner in info
+        if lead and owner is not None and uniform(path[:owner], lead)
+    }
+    roots = []
+    for path, lead, _ in info:
+        found = [len(p) for p, ld in candidates if ld == lead and path[: len(p)] == p]
+        roots.append(min(found, default=len(path)))
+    return roots
 
 
 def _indices(shape: tuple[int, ...]) -> list[tuple[int, ...]]:

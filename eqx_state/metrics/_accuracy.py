@@ -16,10 +16,19 @@ from ._base import (
     _check_dtype,
     _check_inputs,
     _div,
+    _fit,
+    _truthy,
     _weights,
     statistic,
 )
-from ._labels import _check_threshold, _predictions, _split_inputs, _valid_labels
+from ._labels import (
+    _check_ignore_index,
+    _check_threshold,
+    _ignored,
+    _predictions,
+    _split_inputs,
+    _valid_labels,
+)
 
 
 class Accuracy(Metric):
@@ -40,7 +49,8 @@ class Accuracy(Metric):
     the two can differ for `top_k > 1`; they agree whenever scores are distinct.
 
     A label that is not a class index (e.g. a padding label of -1, or one
-    `>= num_classes`) counts as wrong; mask such examples out with `mask=`.
+    `>= num_classes`) counts as wrong; leave such examples out with `mask=` or
+    `ignore_index=`.
 
     **Arguments:**
 
@@ -48,12 +58,17 @@ class Accuracy(Metric):
         highest-ranked classes (needs logits/scores, not predicted labels).
     - `threshold`: for binary (or multi-label) problems given as probabilities of
         the positive class, of the labels' shape: predict 1 where the probability
-        is `> threshold` (torchmetrics' rule; NaN predicts 0). On multi-label input
+        is `> threshold` (torchmetrics' rule; NaN predicts 0). Logits work too, as
+        in torchmetrics: when any (unmasked) value of an update is outside [0, 1]
+        (or NaN), all the update's values go through a sigmoid first. On multi-label input
         `[*batch, num_labels]` this is the fraction of correct label entries
         (torchmetrics' `MultilabelAccuracy(average="micro")`, sklearn's
         `1 - hamming_loss`).
     - `num_classes`: if given, predicted labels and labels `>= num_classes` are not
         class indices (logits always give the number of classes).
+    - `ignore_index`: a label value (e.g. -1, 255, or a class index such as 0)
+        whose examples (multi-label: entries) are left out: they change no
+        statistic, as torchmetrics' `ignore_index`.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the statistics (default float32: exact up to 2**24
@@ -80,6 +95,7 @@ class Accuracy(Metric):
     top_k: int = eqx.field(static=True)
     threshold: float | None = eqx.field(static=True)
     num_classes: int | None = eqx.field(static=True)
+    ignore_index: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -87,6 +103,7 @@ class Accuracy(Metric):
         top_k: int = 1,
         threshold: float | None = None,
         num_classes: int | None = None,
+        ignore_index: int | None = None,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
@@ -98,6 +115,7 @@ class Accuracy(Metric):
         self.top_k = top_k
         self.threshold = _check_threshold("Accuracy", threshold)
         self.num_classes = num_classes
+        self.ignore_index = _check_ignore_index("Accuracy", ignore_index)
         self.axis_name = axis_name
 
     def update(
@@ -119,11 +137,20 @@ class Accuracy(Metric):
         - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix).
         - `mask`: which examples count; masked-out (padding) examples contribute
             nothing. (Unmasked examples whose label is not a class index, e.g. a
-            padding label of -1, count as wrong: mask them.)
+            padding label of -1, count as wrong: mask them, or build the metric
+            with `ignore_index=-1`.)
         """
         _check_inputs("Accuracy", self.total.dtype, sample_weight=sample_weight)
+        y = jnp.asarray(labels)
+        counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         logits, preds, labels = _split_inputs(
-            "Accuracy", logits_or_preds, labels, self.num_classes, self.threshold
+            "Accuracy",
+            logits_or_preds,
+            y,
+            self.num_classes,
+            self.threshold,
+            counted,
+            self.axis_name,
         )
         if logits is not None:
             _, hit = _predictions(logits, labels, self.top_k)
@@ -139,6 +166,9 @@ class Accuracy(Metric):
             num_classes = 2 if self.threshold is not None else self.num_classes
             hit = _valid_labels(labels, num_classes) & (preds == labels)
         w = _weights(labels, mask, sample_weight, self.total.dtype)
+        ignored = _ignored(labels, self.ignore_index)
+        if ignored is not None:
+            w = jnp.where(ignored, jnp.zeros_like(w), w)
         correct = jnp.sum(jnp.where(hit, w, jnp.zeros_like(w)))
         self.accumulate(correct=correct, total=jnp.sum(w))
 

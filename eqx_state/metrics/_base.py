@@ -15,7 +15,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, is_state
-from .._errors import StateNotImplementedError, StateTypeError, StateValueError
+from .._errors import (
+    StateNotImplementedError,
+    StateTypeError,
+    StateValueError,
+    StateWriteError,
+)
 
 
 # Return annotations (aliases keep jaxtyping's shape strings out of signatures, which
@@ -270,6 +275,38 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
                 "(dtype=jnp.float32, the default) to accumulate fractional data, or "
                 f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
             )
+
+
+def _check_narrowing(metric: str, statistic: str, v: Array, dtype: Any) -> None:
+    """Refuse a batch statistic that the cell's dtype would truncate or round: the
+    rule of every state write ([`eqx_state.Buffer`][]), by dtype, never by value.
+    Down the ladder bool < integer < floating < complex (a float into an integer
+    statistic, even 2.0) is refused; within a kind, a strongly-typed value must fit
+    (float32 into bfloat16, int64 into int32 are refused); a weakly-typed one (a
+    Python scalar) is cast, as a state write casts it. Widening (an int32 count into
+    a float32 sum) is fine. Static: no runtime cost."""
+    src, dst = jnp.dtype(v.dtype), jnp.dtype(dtype)
+    if src == dst:
+        return
+    weak = bool(getattr(v, "weak_type", False))
+    down = _kind(src) > _kind(dst)
+    narrower = (
+        _kind(src) == _kind(dst) and not weak and jnp.promote_types(src, dst) != dst
+    )
+    if not (down or narrower):
+        return
+    what = "a weakly-typed " if weak else ""
+    raise StateWriteError(
+        f"{metric}.accumulate: the statistic {statistic!r} has dtype {dst.name}, "
+        f"got {what}{src.name} value that it would "
+        f"{'truncate' if down else 'round'} (e.g. "
+        f"{'1.75 would be stored as 1' if down else 'float32 into bfloat16 loses digits'}"
+        "). State cells keep their dtype and refuse a narrowing cast, whatever the "
+        "value (2.0 included). Either declare the statistic with a dtype that holds "
+        f"the values (`statistic(..., dtype=jnp.{src.name})`), or cast in `update` "
+        f"if that is what you mean (`{statistic}=value.astype(jnp.{dst.name})`, "
+        "e.g. after rounding)."
+    )
 
 
 _NAN_STRATEGIES = ("propagate", "ignore", "error")
@@ -614,6 +651,7 @@ class Metric(eqx.Module):
                     f"{name}.accumulate: the statistic {k!r} has shape {cell.shape}, "
                     f"got a value of shape {v.shape}."
                 ) from None
+            _check_narrowing(name, k, v, cell.dtype)
             stats[k] = v.astype(cell.dtype)
         if self.axis_name is not None:
             stats = self._reduce_over(stats, self.axis_name, "update")

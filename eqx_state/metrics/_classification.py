@@ -28,7 +28,9 @@ from ._base import (
 )
 from ._labels import (
     _as_labels,
+    _check_ignore_index,
     _check_threshold,
+    _ignored,
     _predictions,
     _split_inputs,
     _threshold,
@@ -64,6 +66,12 @@ class _ConfusionMetric(Metric):
     top_k: int = eqx.field(static=True)
     threshold: float | None = eqx.field(static=True)
     multilabel: bool = eqx.field(static=True)
+    ignore_index: int | None = eqx.field(static=True)
+
+    # torchmetrics' BinaryConfusionMatrix drops the ignored examples before it
+    # decides whether binary scores are logits; its stat-score metrics (precision,
+    # recall, F1, accuracy) and every multi-label metric decide over all of them
+    _logits_rule_sees_ignored: ClassVar[bool] = True
 
     def _init_matrix(
         self,
@@ -72,6 +80,7 @@ class _ConfusionMetric(Metric):
         top_k: int,
         threshold: float | None,
         multilabel: bool,
+        ignore_index: int | None,
         axis_name: Hashable | None,
         dtype,
     ) -> None:
@@ -90,6 +99,7 @@ class _ConfusionMetric(Metric):
         self.top_k = top_k
         self.threshold = _check_threshold(name, threshold)
         self.multilabel = multilabel
+        self.ignore_index = _check_ignore_index(name, ignore_index)
         dtype = _check_dtype(name, dtype, "counts")
         shape = (num_classes, 2, 2) if multilabel else (num_classes, num_classes)
         self.matrix = statistic("sum", shape=shape, dtype=dtype)
@@ -111,17 +121,20 @@ class _ConfusionMetric(Metric):
             `[*batch, num_classes]` (ranked as in [`eqx_state.metrics.Accuracy`][]:
             the prediction is the argmax, or the true class when it is in the
             `top_k`), predicted labels of shape `[*batch]`, or, with `threshold`
-            (binary), probabilities of the positive class of shape `[*batch]`.
-            Multi-label: predictions of shape `[*batch, num_labels]`, 0/1 or
-            probabilities with `threshold`.
+            (binary), probabilities (or logits) of the positive class of shape
+            `[*batch]`. Multi-label: predictions of shape `[*batch, num_labels]`,
+            0/1 or, with `threshold`, probabilities (or logits). As torchmetrics:
+            when any (unmasked) value of an update is outside [0, 1] (or NaN), all
+            its values are logits and go through a sigmoid before `> threshold`.
         - `labels`: the true class indices, shape `[*batch]`; multi-label: 0/1 of
             shape `[*batch, num_labels]`.
         - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix).
         - `mask`: which examples count; masked-out (padding) examples contribute
             nothing. Labels (and predicted labels) outside `[0, num_classes)` — or,
             multi-label, other than 0 and 1 — e.g. a padding label of -1, are
-            dropped too. (A sample weight of 0 is not a mask: the example adds
-            nothing to the counts, but its classes count as seen; see `"macro"`.)
+            dropped too, as are labels equal to `ignore_index`. (A sample weight
+            of 0 is not a mask: the example adds nothing to the counts, but its
+            classes count as seen; see `"macro"`.)
         """
         _check_inputs(
             type(self).__name__, self.matrix.dtype, sample_weight=sample_weight
@@ -137,8 +150,13 @@ class _ConfusionMetric(Metric):
                 "probabilities makes a binary prediction; build the metric with "
                 "num_classes=2, or multilabel=True for one probability per label."
             )
+        y = jnp.asarray(labels)
+        counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
+        ignored = _ignored(y, self.ignore_index)
+        if ignored is not None and not self._logits_rule_sees_ignored:
+            counted = ~ignored if counted is None else counted & ~ignored
         logits, preds, labels = _split_inputs(
-            name, logits_or_preds, labels, c, self.threshold
+            name, logits_or_preds, y, c, self.threshold, counted, self.axis_name
         )
         if logits is not None:
             preds, _ = _predictions(logits, labels, self.top_k)
@@ -153,6 +171,8 @@ class _ConfusionMetric(Metric):
         # an example counts when it is not masked out and both its label and its
         # prediction are class indices; its weight (0 included) is what it adds
         valid = (labels >= 0) & (labels < c) & (preds >= 0) & (preds < c)
+        if ignored is not None:
+            valid = valid & ~ignored
         if mask is not None:
             valid = valid & _fit("mask", _truthy(mask), labels.shape)
         zero = jnp.zeros_like(w)
@@ -182,13 +202,19 @@ class _ConfusionMetric(Metric):
                 f"must have the shape [*batch, {self.num_classes}] (one 0/1 entry, "
                 "or probability, per label)."
             )
+        counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            preds = _threshold(name, x, self.threshold, y.shape)
+            preds = _threshold(
+                name, x, self.threshold, y.shape, counted, self.axis_name
+            )
         else:
             preds = _as_labels(f"{name}.update: predictions", x)
         dtype = self.matrix.dtype
         w = _weights(y[..., 0], mask, sample_weight, dtype)[..., None]
         ok = ((y == 0) | (y == 1)) & ((preds == 0) | (preds == 1))
+        ignored = _ignored(y, self.ignore_index)
+        if ignored is not None:  # per entry, as torchmetrics' multi-label metrics
+            ok = ok & ~ignored
         w = jnp.where(ok, w, jnp.zeros_like(w))  # [*batch, L]
         t = jnp.stack([y == 0, y == 1], -1).astype(dtype)  # [*batch, L, 2]
         p = jnp.stack([preds == 0, preds == 1], -1).astype(dtype)
@@ -196,7 +222,7 @@ class _ConfusionMetric(Metric):
         spec = f"{batch_axes}l,{batch_axes}lt,{batch_axes}lp->ltp"
         # every label is scored (sklearn's macro average over all the columns):
         # `seen` is not used, but it says which labels had a counted entry
-        counted = ok if mask is None else ok & _fit("mask", _truthy(mask), y.shape)
+        counted = ok if counted is None else ok & counted
         seen = jnp.any(counted.reshape(-1, self.num_classes), axis=0)
         self._accumulate(jnp.einsum(spec, w, t, p), seen)
 
@@ -229,9 +255,15 @@ class ConfusionMatrix(_ConfusionMetric):
         0, as in sklearn.
     - `threshold`: binary problems given as probabilities of the positive class
         (needs `num_classes=2`), or multi-label probabilities: predict 1 where the
-        probability is `> threshold`.
+        probability is `> threshold`. Logits work too: when any value of an
+        update is outside [0, 1] (or NaN), the update's values go through a
+        sigmoid first (torchmetrics' rule; for binary input, torchmetrics'
+        `BinaryConfusionMatrix` decides over the examples it does not ignore).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
         `[*batch, num_classes]`.
+    - `ignore_index`: a label value (e.g. -1, 255, or a class index such as 0)
+        whose examples (multi-label: entries) are left out of the matrix, as
+        torchmetrics' `ignore_index`.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the counts (default float32: exact up to 2**24), or a
@@ -253,6 +285,8 @@ class ConfusionMatrix(_ConfusionMetric):
 
     normalize: str | None = eqx.field(static=True)
 
+    _logits_rule_sees_ignored: ClassVar[bool] = False
+
     def __init__(
         self,
         num_classes: int,
@@ -260,6 +294,7 @@ class ConfusionMatrix(_ConfusionMetric):
         normalize: str | None = None,
         threshold: float | None = None,
         multilabel: bool = False,
+        ignore_index: int | None = None,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
@@ -273,6 +308,7 @@ class ConfusionMatrix(_ConfusionMetric):
             top_k=1,
             threshold=threshold,
             multilabel=multilabel,
+            ignore_index=ignore_index,
             axis_name=axis_name,
             dtype=dtype,
         )
@@ -310,6 +346,7 @@ class _AveragedMetric(_ConfusionMetric):
         threshold: float | None = None,
         multilabel: bool = False,
         zero_division: int | float | str = 0.0,
+        ignore_index: int | None = None,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
@@ -335,6 +372,7 @@ class _AveragedMetric(_ConfusionMetric):
             top_k=top_k,
             threshold=threshold,
             multilabel=multilabel,
+            ignore_index=ignore_index,
             axis_name=axis_name,
             dtype=dtype,
         )
@@ -418,10 +456,16 @@ class Precision(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics).
+        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        update is outside [0, 1] (or NaN), the update's values go through a
+        sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
         `[*batch, num_classes]`, each label its own binary problem.
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
+    - `ignore_index`: a label value (e.g. -1, 255, or a class index such as 0)
+        whose examples (multi-label: entries) change no statistic, as
+        torchmetrics' `ignore_index`: they are neither counted nor make a class
+        occur.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32: exact up to
@@ -483,10 +527,16 @@ class Recall(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics).
+        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        update is outside [0, 1] (or NaN), the update's values go through a
+        sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
         `[*batch, num_classes]`, each label its own binary problem.
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
+    - `ignore_index`: a label value (e.g. -1, 255, or a class index such as 0)
+        whose examples (multi-label: entries) change no statistic, as
+        torchmetrics' `ignore_index`: they are neither counted nor make a class
+        occur.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32: exact up to
@@ -549,10 +599,16 @@ class F1(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics).
+        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        update is outside [0, 1] (or NaN), the update's values go through a
+        sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
         `[*batch, num_classes]`, each label its own binary problem.
     - `zero_division`: the value of an undefined ratio: 0 (default), 1 or NaN.
+    - `ignore_index`: a label value (e.g. -1, 255, or a class index such as 0)
+        whose examples (multi-label: entries) change no statistic, as
+        torchmetrics' `ignore_index`: they are neither counted nor make a class
+        occur.
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the confusion matrix (default float32: exact up to

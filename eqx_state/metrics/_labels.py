@@ -1,7 +1,9 @@
 """Classification inputs and the one ranking rule every classification metric uses.
 
 Inputs: logits (or any scores) with a trailing class axis, predicted labels of the
-labels' shape, or — with a `threshold` — probabilities of the labels' shape.
+labels' shape, or — with a `threshold` — probabilities (or logits) of the labels'
+shape: as torchmetrics, when any value of an update is outside [0, 1] the update's
+values are logits and go through a sigmoid before `> threshold`.
 
 The ranking rule (`Accuracy(top_k)`, `ConfusionMatrix`, `Precision` / `Recall` /
 `F1`, including their `top_k`): classes are ordered by score, a NaN score above
@@ -13,6 +15,8 @@ class when that is in the top `k`, else its top class (torchmetrics' rule for
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,24 +41,69 @@ def _check_threshold(metric: str, threshold: float | None) -> float | None:
     if not 0.0 <= threshold <= 1.0:
         raise StateValueError(
             f"{metric}: threshold must be a probability in [0, 1], got {threshold}. "
-            "For logits, threshold the probabilities (`jax.nn.sigmoid(logits)`), or "
-            "pass predicted labels `(logits > 0).astype(jnp.int32)`."
+            "Logits are fine as inputs (when any value of a batch is outside [0, 1], "
+            "the batch is passed through a sigmoid first, as torchmetrics does); the "
+            "threshold applies to the probabilities."
         )
     return threshold
 
 
-def _threshold(metric: str, x: Array, threshold: float | None, shape: tuple) -> Array:
+def _check_ignore_index(metric: str, ignore_index: int | None) -> int | None:
+    if ignore_index is None:
+        return None
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise StateTypeError(
+            f"{metric}: ignore_index must be None or an int (a label value whose "
+            f"examples are left out, e.g. -1 or 255), got {ignore_index!r}."
+        )
+    return ignore_index
+
+
+def _ignored(labels: Array, ignore_index: int | None) -> Array | None:
+    """Where the labels are `ignore_index` (None without one)."""
+    if ignore_index is None:
+        return None
+    return labels == jnp.asarray(ignore_index, labels.dtype)
+
+
+def _as_probabilities(x: Array, counted: Array | None, axis_name: Any) -> Array:
+    """torchmetrics' rule for binary and multi-label scores: when any (counted)
+    value of the update is outside [0, 1] (NaN included), the values are logits and
+    all of them go through a sigmoid; otherwise they are probabilities, kept as they
+    are. Decided per update, without a Python branch on values (jit-safe); with an
+    `axis_name`, over the whole (global) batch of the update."""
+    outside = ~((x >= 0) & (x <= 1))  # NaN >= 0 is False: outside
+    if counted is not None:
+        outside = outside & counted
+    logits = jnp.any(outside)
+    if axis_name is not None:
+        try:
+            logits = jax.lax.pmax(logits.astype(jnp.int32), axis_name) > 0
+        except NameError:  # unbound axis: `accumulate` names the fix
+            pass
+    return jnp.where(logits, jax.nn.sigmoid(x), x)
+
+
+def _threshold(
+    metric: str,
+    x: Array,
+    threshold: float | None,
+    shape: tuple,
+    counted: Array | None = None,
+    axis_name: Any = None,
+) -> Array:
     if threshold is None:
         raise StateTypeError(
             f"{metric}.update got floating-point predictions of the labels' shape "
-            f"{shape}. For probabilities of the positive class, build the metric "
-            f"with a threshold, e.g. `{metric}(..., threshold=0.5)` (an example is "
-            "predicted positive when its probability is > threshold); otherwise "
-            "pass logits/scores with a trailing class axis (shape "
+            f"{shape}. For probabilities (or logits) of the positive class, build "
+            f"the metric with a threshold, e.g. `{metric}(..., threshold=0.5)` (an "
+            "example is predicted positive when its probability is > threshold); "
+            "otherwise pass logits/scores with a trailing class axis (shape "
             f"{shape + ('num_classes',)}) or predicted integer labels "
             "(`jnp.argmax(logits, -1)`)."
         )
-    return (x > threshold).astype(jnp.int32)  # NaN > t is False: predicted 0
+    p = _as_probabilities(x, counted, axis_name)
+    return (p > threshold).astype(jnp.int32)  # NaN > t is False: predicted 0
 
 
 def _split_inputs(
@@ -63,13 +112,17 @@ def _split_inputs(
     labels: ArrayLike,
     num_classes: int | None,
     threshold: float | None = None,
+    counted: Array | None = None,
+    axis_name: Any = None,
 ) -> tuple[Array | None, Array | None, Array]:
     """Return `(logits, preds, labels)`: exactly one of `logits` / `preds` is set.
 
     `logits_or_preds` holds logits (or any scores) when it has one more axis than
     `labels` (the trailing class axis); predicted labels when it has the labels'
     shape and an integer dtype; probabilities of the positive class, thresholded,
-    when it has the labels' shape, a floating dtype, and `threshold` is set."""
+    when it has the labels' shape, a floating dtype, and `threshold` is set (logits
+    of the positive class too: see `_as_probabilities`, which decides over the
+    entries where `counted` is true, all by default)."""
     x = jnp.asarray(logits_or_preds)
     y = _as_labels(f"{metric}.update: `labels`", jnp.asarray(labels))
     if x.ndim == y.ndim + 1 and x.shape[:-1] == y.shape:
@@ -82,7 +135,8 @@ def _split_inputs(
         return x, None, y
     if x.shape == y.shape:
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            return None, _threshold(metric, x, threshold, y.shape), y
+            preds = _threshold(metric, x, threshold, y.shape, counted, axis_name)
+            return None, preds, y
         return None, _as_labels(f"{metric}.update: predictions", x), y
     raise StateValueError(
         f"{metric}.update got predictions of shape {x.shape} and labels of shape "

@@ -144,7 +144,11 @@ def _abs(x: Array, rec: Record) -> Array:
 
 
 def _is_zero(x: Array, rec: Record) -> Array:
-    return (x == 0).astype(rec.dtype)
+    zero = (x == 0).astype(rec.dtype)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return zero
+    # NaN is neither zero nor not: it propagates, as it does into the mean
+    return jnp.where(jnp.isnan(x), jnp.full_like(zero, jnp.nan), zero)
 
 
 def _nonfinite(x: Array, rec: Record) -> Array:
@@ -251,6 +255,10 @@ class Record(Recorder):
         of the batch (dead ReLUs; record the activation before or after the
         ReLU), averaged over the calls. A unit is a position along the axes that
         are not `batch_axis`.
+
+    A NaN value (not masked out) makes every statistic but `nonfinite_fraction`
+    NaN, `zero_fraction` and `dead_fraction` included (a NaN unit is neither
+    dead nor alive), until the recorder is reset: a NaN activation shows.
     - any metric, as a keyword argument: `Record(hist=es.metrics.Histogram(20,
         range=(-3, 3)))` calls `metric.update(x)` (with `mask=` when given) and
         reads `metric.compute()` (a tuple result reads as `name.0`, `name.1`, ...).
@@ -419,12 +427,17 @@ class Record(Recorder):
         keep = jnp.ones(x.shape, bool)
         if mask is not None:
             keep = jnp.broadcast_to(_fit("mask", _truthy(mask), x.shape), x.shape)
-        dead = jnp.all((x <= 0) | ~keep, axis=axes)  # NaN is not <= 0: not dead
+        dead = jnp.all((x <= 0) | ~keep, axis=axes)
         seen = jnp.any(keep, axis=axes)
+        # a unit with a NaN (unmasked) value is neither dead nor alive: NaN, which
+        # propagates into the fraction as it does into the mean
+        nan = jnp.any(jnp.isnan(x) & keep, axis=axes)
         if self.axis_name is not None:
             dead = jax.lax.pmin(dead.astype(jnp.int32), self.axis_name) > 0
             seen = jax.lax.pmax(seen.astype(jnp.int32), self.axis_name) > 0
-        return dead.astype(self.dtype), seen
+            nan = jax.lax.pmax(nan.astype(jnp.int32), self.axis_name) > 0
+        dead = dead.astype(self.dtype)
+        return jnp.where(nan, jnp.full_like(dead, jnp.nan), dead), seen
 
     def read(self) -> dict[str, Array]:
         """Every statistic's current value, by name (a read; `{"std": ...}`).

@@ -296,3 +296,46 @@ def test_statistic_defaults():
     assert cell.shape == (2, 3) and cell.dtype == jnp.bfloat16
     assert np.all(np.asarray(cell.value, np.float32) == -np.inf)
     assert isinstance(cell, es.MetricState)
+
+
+class Tally(esm.Metric):
+    """A user metric with an integer statistic (and a bfloat16 one)."""
+
+    total: es.MetricState = esm.statistic("sum", dtype=jnp.int32)
+    small: es.MetricState = esm.statistic("sum", dtype=jnp.bfloat16)
+
+    def update(self, total, small=0.0):
+        self.accumulate(total=total, small=small)
+
+    def compute(self):
+        return self.total[...]
+
+
+def _tally(mode, *args):
+    if mode == "ref":
+        metric = es.to_refs(Tally())
+        metric.update(*args)
+        return metric
+    return es.apply(lambda m, *a: m.update(*a), Tally(), *args)[1]
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_accumulate_refuses_a_narrowing_cast(mode):
+    """`accumulate` refuses by dtype what a state write refuses: a float into an
+    integer statistic (1.75 would be stored as 1; an integral 2.0 too, as the
+    cells' write rule), a wider float into a narrower one."""
+    fix = r"statistic\(\.\.\., dtype=jnp\.float32\)|astype\(jnp\.int32\)"
+    for bad in (1.75, 2.0, jnp.float32(2.0), jnp.array([3.0]).sum()):
+        with pytest.raises(es.StateWriteError, match=r"Tally\.accumulate.*'total'"):
+            _tally(mode, bad)
+    with pytest.raises(es.StateWriteError, match=fix):
+        _tally(mode, jnp.float32(1.75))
+    with pytest.raises(es.StateWriteError, match=r"'small' has dtype bfloat16"):
+        _tally(mode, 1, jnp.float32(0.5))
+    # widening and same-dtype values are accumulated exactly (reference: Python)
+    got = _tally(mode, jnp.int16(3), jnp.bfloat16(0.5))
+    assert int(got.total[...]) == 3 and float(got.small[...]) == 0.5
+    got = _tally(mode, 7, 0.25)  # Python scalars (weakly typed) of the same kind
+    assert int(got.total[...]) == 7 and float(got.small[...]) == 0.25
+    got = _tally(mode, jnp.bool_(True))
+    assert int(got.total[...]) == 1

@@ -219,11 +219,15 @@ def test_binary_threshold_matches_torchmetrics(mode):
     for cls, tcls, fn in pairs:
         got = value(cls(threshold=0.3), mode, p, y)
         close(got, tcls(threshold=0.3)(tp, ty).item())
-        # a NaN probability predicts 0 (`NaN > t` is false). torchmetrics differs
-        # here: any value outside [0, 1] makes it apply a sigmoid to the whole batch
+        close(got, fn(y, (p > 0.3).astype(int)))
+        # a NaN is outside [0, 1]: as torchmetrics (on CPU), the whole batch goes
+        # through a sigmoid (every other value then predicts 1), and NaN predicts 0
         pn = p.copy()
         pn[5] = np.nan
-        close(value(cls(threshold=0.3), mode, pn, y), fn(y, (pn > 0.3).astype(int)))
+        got = value(cls(threshold=0.3), mode, pn, y)
+        close(got, tcls(threshold=0.3)(torch.tensor(pn), ty).item())
+        hard = np.where(np.isnan(pn), 0, 1)  # sigmoid(p) > 0.5 > 0.3 for p >= 0
+        close(got, fn(y, hard))
     cm = value(esm.ConfusionMatrix(2, threshold=0.3), mode, p, y)
     np.testing.assert_array_equal(cm, tc.BinaryConfusionMatrix(threshold=0.3)(tp, ty))
     np.testing.assert_array_equal(cm, skm.confusion_matrix(y, (p > 0.3).astype(int)))

@@ -225,3 +225,29 @@ def test_axis_name_inside_a_mesh_step_says_to_drop_it(mesh, devices):
         step(model, opt_state, _sharded(sub, X), _sharded(sub, Y))
     with pytest.raises(ValueError, match=r"axis named 'data'.*without\s+`axis_name`"):
         es.to_refs(esm.Sum(axis_name="data")).update(jnp.ones(3))  # eager, unbound
+
+
+def test_logits_rule_decides_over_the_global_batch(mesh):
+    """Binary scores with one value outside [0, 1], on one device's shard: the
+    update (over the global batch, `axis_name`) treats every value as a logit, as
+    torchmetrics on the whole batch."""
+    from _torchmetrics import classification as tc, torch
+
+    rng = np.random.default_rng(0)
+    p = rng.random(N).astype(np.float32)
+    p[-1] = 3.0  # a logit, in the last device's shard
+    y = rng.integers(0, 2, N)
+    tp, ty = torch.tensor(p), torch.tensor(y)
+    want = tc.BinaryPrecision(threshold=0.5)(tp, ty).item()
+    as_probabilities = tc.BinaryPrecision(threshold=0.5)(tp.clamp(0, 1), ty).item()
+    assert want != as_probabilities  # the rule decides this batch
+    for check_vma in (True, False):
+        out = _run(
+            mesh,
+            lambda m, p, y: es.apply(lambda m: m.update(p, y), m)[1],
+            esm.Precision(threshold=0.5, axis_name="data"),
+            p,
+            y,
+            check_vma=check_vma,
+        )
+        np.testing.assert_allclose(out.compute(), want, rtol=1e-6)

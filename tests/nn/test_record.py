@@ -193,6 +193,61 @@ def test_nan_and_inf_show_up():
     assert float(got["nonfinite_fraction"]) == 0.5
 
 
+def _np_nan_stats(chunks):
+    """Float64 NumPy with NaN propagating (the reference for `zero_fraction` and
+    `dead_fraction` on NaN activations): a NaN value is NaN in the per-value
+    indicator, a unit with a NaN is NaN in the per-unit one."""
+    chunks = [np.asarray(c, np.float64) for c in chunks]
+    flat = np.concatenate([c.ravel() for c in chunks])
+    zero = np.where(np.isnan(flat), np.nan, flat == 0)
+    dead = [
+        np.mean(np.where(np.isnan(c).any(0), np.nan, np.all(c <= 0, axis=0)))
+        for c in chunks
+    ]
+    return {"zero_fraction": np.mean(zero), "dead_fraction": np.mean(dead),
+            "mean": flat.mean(), "nonfinite_fraction": np.mean(~np.isfinite(flat))}  # fmt: skip
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_zero_and_dead_fraction_propagate_nan(ref_mode):
+    x1 = np.array([[0.0, -1.0, 2.0], [0.0, -3.0, 0.0]], np.float32)
+    x2 = np.array([[-1.0, np.nan, 0.0], [-2.0, -1.0, 0.0]], np.float32)
+    stats = ("zero_fraction", "dead_fraction", "mean", "nonfinite_fraction")
+
+    def record(rec, chunks, mask=None):
+        if ref_mode:
+            rec = es.to_refs(rec)
+            for c in chunks:
+                rec(jnp.asarray(c), mask=mask)
+            return rec
+
+        def calls(rec):
+            for c in chunks:
+                rec(jnp.asarray(c), mask=mask)
+
+        return es.apply(calls, rec)[1]
+
+    rec = record(es.nn.Record(*stats), [x1])
+    want = _np_nan_stats([x1])
+    assert want["dead_fraction"] == 2 / 3 and want["zero_fraction"] == 0.5
+    for name in stats:  # no NaN yet: numbers
+        np.testing.assert_allclose(es.recorded(rec)[name], want[name], err_msg=name)
+    rec = record(es.nn.Record(*stats), [x1, x2])
+    want = _np_nan_stats([x1, x2])
+    got = es.recorded(rec)
+    for name in stats:
+        np.testing.assert_allclose(got[name], want[name], err_msg=name)
+    assert np.isnan(got["zero_fraction"]) and np.isnan(got["dead_fraction"])
+    assert float(got["nonfinite_fraction"]) == pytest.approx(1 / 12)
+    # masked out, the NaN row counts for nothing (the reference: the kept rows)
+    mask = jnp.array([False, True])
+    rec = record(es.nn.Record(*stats), [x2], mask=mask)
+    got, want = es.recorded(rec), _np_nan_stats([x2[1:]])
+    for name in stats:
+        np.testing.assert_allclose(got[name], want[name], err_msg=name)
+    assert not np.isnan(want["dead_fraction"])
+
+
 def test_narrow_dtypes_are_recorded_in_float32():
     x = jax.random.normal(jax.random.key(0), (32, 16)).astype(jnp.bfloat16) * 300
     rec = es.to_refs(es.nn.Record("mean", "std", "rms", "max_abs"))
@@ -353,11 +408,148 @@ def test_an_ensemble_reports_one_entry_per_member():
         return jax.vmap(lambda d, x: eqx.combine(d, static)(x))(dynamic, xs)
 
     _, recs = es.apply(call, recs, xs)
-    # the whole tree is stacked: the member's index comes first
+    # a recorder held by no module is the stack: its index follows its own path
     assert {k: float(v) for k, v in es.recorded({"members": recs}).items()} == {
-        "0.members.max": 5.0,
-        "1.members.max": 2.0,
+        "members.0.max": 5.0,
+        "members.1.max": 2.0,
     }
+    assert {k: float(v) for k, v in es.recorded(recs).items()} == {
+        "0.max": 5.0,
+        "1.max": 2.0,
+    }
+
+
+class Narrow(eqx.Module):
+    """A width-2 block: a linear layer whose output is recorded."""
+
+    linear: eqx.nn.Linear
+    rec: es.nn.Record
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(2, 2, key=key)
+        self.rec = es.nn.Record("mean")
+
+    def __call__(self, x, *, key=None):
+        return self.rec(jax.vmap(self.linear)(x))
+
+
+def _scan(stack, x):
+    dynamic, static = eqx.partition(stack, es.is_array)
+    return jax.lax.scan(lambda x, a: (eqx.combine(a, static)(x), None), x, dynamic)[0]
+
+
+def _hand_means(weights, biases, x):
+    """The hand-written forward pass through width-2 linear layers, float64: the
+    mean of every layer's output."""
+    x, means = np.asarray(x, np.float64), []
+    for w, b in zip(weights, biases):
+        x = x @ np.asarray(w, np.float64).T + np.asarray(b, np.float64)
+        means.append(x.mean())
+    return means
+
+
+class WithHead(eqx.Module):
+    blocks: Narrow
+    head: eqx.nn.Linear  # as wide as the stack is deep: every array leads with 2
+
+    def __call__(self, x):
+        return jax.vmap(self.head)(_scan(self.blocks, x))
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_stacked_recorders_are_named_from_the_structure(ref_mode):
+    """Names come from where the recorder sits, not from array shapes: a list of
+    two stacks of two width-2 blocks (every array leads with 2), and one stack
+    beside a head whose width equals the depth."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    stacks = [eqx.filter_vmap(Narrow)(keys[:2]), eqx.filter_vmap(Narrow)(keys[2:])]
+    x = jax.random.normal(jax.random.key(1), (3, 2))
+    layers = [Narrow(k).linear for k in keys]  # the same layers, unstacked
+    want = _hand_means([lin.weight for lin in layers], [lin.bias for lin in layers], x)
+    if ref_mode:
+        stacks = es.to_refs(stacks)
+
+    def run(stacks, x):
+        for stack in stacks:
+            x = _scan(stack, x)
+        return x
+
+    _, stacks = es.apply(run, stacks, x)
+    got = es.recorded(stacks)
+    assert list(got) == ["0.0.rec.mean", "0.1.rec.mean", "1.0.rec.mean", "1.1.rec.mean"]
+    for i, name in enumerate(got):  # stack i // 2, layer i % 2
+        np.testing.assert_allclose(got[name], want[i], rtol=1e-5, err_msg=name)
+    assert abs(want[1] - want[2]) > 1e-3  # swapped names would fail
+
+    model = WithHead(
+        eqx.filter_vmap(Narrow)(keys[:2]), eqx.nn.Linear(2, 2, key=keys[3])
+    )
+    if ref_mode:
+        model = es.to_refs(model)
+    _, model = es.apply(lambda m, x: m(x), model, x)
+    got = es.recorded(model)
+    assert list(got) == ["blocks.0.rec.mean", "blocks.1.rec.mean"]
+    np.testing.assert_allclose([got["blocks.0.rec.mean"], got["blocks.1.rec.mean"]],
+                               want[:2], rtol=1e-5)  # fmt: skip
+
+
+class Features(eqx.Module):
+    features: eqx.nn.Sequential
+
+    def __call__(self, x):
+        return self.features(x)
+
+
+@pytest.mark.parametrize("ref_mode", [False, True], ids=["value", "ref"])
+def test_recorded_names_are_the_state_dict_names(ref_mode):
+    """One naming rule: `eqx.nn.Sequential` is named as `torch.nn.Sequential`
+    (`features.2`, not `features.layers.2`) by both `es.state_dict` and
+    `es.recorded`, and a stack of Sequentials as a list of them."""
+    lin = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+    model = Features(
+        eqx.nn.Sequential([
+            es.nn.Batched(lin),
+            es.nn.BatchNorm(4),
+            es.nn.Record("mean"),
+            eqx.nn.Lambda(jax.nn.relu),
+            es.nn.Record("max"),
+        ])
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    if ref_mode:
+        model = es.to_refs(model)
+    _, model = es.apply(lambda m, x: m(x), model, x)
+    got = es.recorded(model)
+    assert list(got) == ["features.2.mean", "features.4.max"]
+    names = list(es.state_dict(model))
+    assert "features.0.weight" in names and "features.1.running_mean" in names
+    # hand forward pass (float64): linear, batch norm in training mode
+    h = np.asarray(x, np.float64) @ np.asarray(lin.weight, np.float64).T
+    h = h + np.asarray(lin.bias, np.float64)
+    h = (h - h.mean(0)) / np.sqrt(h.var(0) + 1e-5)
+    np.testing.assert_allclose(got["features.2.mean"], h.mean(), atol=1e-5)
+    np.testing.assert_allclose(got["features.4.max"], np.maximum(h, 0).max(), rtol=1e-5)
+
+    # a stack of Sequentials, one recorder a field of a block inside: one stack,
+    # named as a Python list of the Sequentials
+    def layer(k):
+        return eqx.nn.Sequential([Narrow(k), es.nn.Record("mean")])
+
+    keys = jax.random.split(jax.random.key(2), 2)
+    seq = {"blocks": eqx.filter_vmap(layer)(keys)}
+    if ref_mode:
+        seq = es.to_refs(seq)
+    _, seq = es.apply(lambda s, x: _scan(s["blocks"], x), seq, x[:, :2])
+    got = es.recorded(seq)
+    assert list(got) == [
+        "blocks.0.0.rec.mean", "blocks.1.0.rec.mean",
+        "blocks.0.1.mean", "blocks.1.1.mean",
+    ]  # fmt: skip
+    lins = [Narrow(k).linear for k in keys]
+    want = _hand_means([m.weight for m in lins], [m.bias for m in lins], x[:, :2])
+    for i in (0, 1):  # both recorders of layer i see its output
+        np.testing.assert_allclose(got[f"blocks.{i}.0.rec.mean"], want[i], rtol=1e-5)
+        np.testing.assert_allclose(got[f"blocks.{i}.1.mean"], want[i], rtol=1e-5)
 
 
 # --------------------------------------------------------- reading, resetting

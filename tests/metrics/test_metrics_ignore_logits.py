@@ -1,0 +1,252 @@
+"""The classification metrics against torchmetrics on two of its input rules:
+`ignore_index` (ignored targets change no statistic) and binary / multi-label
+scores outside [0, 1] (logits: torchmetrics applies a sigmoid to the whole update
+before `> threshold`). Binary, multi-class and multi-label inputs, both storage
+modes (value mode runs under `jit`), and a merge of two halves."""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _torchmetrics import classification as tc, torch
+
+import eqx_state as es
+from eqx_state import metrics as esm
+
+
+MODES = ["value", "ref"]
+
+
+@eqx.filter_jit
+def _update_all(metrics, p, y, mask):
+    def update(ms, p, y, mask):
+        for m in ms:
+            m.update(p, y, mask=mask)
+
+    return es.apply(update, metrics, p, y, mask)[1]
+
+
+def update_all(metrics, mode, p, y, mask=None):
+    """One update of every metric: jitted `es.apply` (value mode), or eagerly in
+    ref mode."""
+    p, y = jnp.asarray(p), jnp.asarray(y)
+    mask = None if mask is None else jnp.asarray(mask)
+    if mode == "ref":
+        metrics = es.to_refs(metrics)
+        for m in metrics:
+            m.update(p, y, mask=mask)
+        return metrics
+    return _update_all(metrics, p, y, mask)
+
+
+def check(metrics, refs, mode, p, y):
+    """One pass over `(p, y)`, and the merge of two halves (two updates), equal
+    the torchmetrics metrics `refs` (given the same data in one, then two calls)."""
+    whole = update_all(metrics, mode, p, y)
+    n = len(y) // 2
+    first = update_all(metrics, mode, p[:n], y[:n])
+    second = update_all(metrics, mode, p[n:], y[n:])
+    merged = [a.merge(b) for a, b in zip(first, second)]
+    tp, ty = torch.tensor(p), torch.tensor(y)
+    for m, w, g, ref in zip(metrics, whole, merged, refs):
+        name = f"{type(m).__name__} vs {type(ref).__name__}"
+        want = ref(tp, ty).numpy()
+        np.testing.assert_allclose(w.compute(), want, rtol=1e-5, err_msg=name)
+        ref.reset()
+        ref.update(tp[:n], ty[:n])
+        ref.update(tp[n:], ty[n:])
+        want2 = ref.compute().numpy()
+        np.testing.assert_allclose(g.compute(), want2, rtol=1e-5, err_msg=name)
+    return whole
+
+
+# ---------------------------------------------------------------- ignore_index
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ignore", [-1, 0])
+def test_ignore_index_binary(mode, ignore):
+    rng = np.random.default_rng(10)
+    p = rng.random(24).astype(np.float32)
+    y = rng.integers(0, 2, 24)
+    if ignore == -1:
+        y[[1, 4, 9, 17, 20]] = -1
+    kw = dict(threshold=0.5, ignore_index=ignore)
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Precision(**kw),
+        esm.Recall(**kw),
+        esm.F1(**kw),
+        esm.ConfusionMatrix(2, **kw),
+    ]
+    refs = [
+        tc.BinaryAccuracy(**kw),
+        tc.BinaryPrecision(**kw),
+        tc.BinaryRecall(**kw),
+        tc.BinaryF1Score(**kw),
+        tc.BinaryConfusionMatrix(**kw),
+    ]
+    whole = check(metrics, refs, mode, p, y)
+    # the ignored examples change nothing: the same metrics on the kept ones alone
+    keep = y != ignore
+    kept = update_all(metrics, mode, p[keep], y[keep])
+    for a, b in zip(whole, kept):
+        np.testing.assert_array_equal(a.compute(), b.compute())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ignore", [-1, 0, 255])
+def test_ignore_index_multiclass(mode, ignore):
+    rng = np.random.default_rng(11)
+    c = 4
+    logits = rng.normal(size=(30, c)).astype(np.float32)
+    y = rng.integers(0, c, 30)
+    if ignore != 0:
+        y[[0, 3, 8, 15, 16, 29]] = ignore
+    kw = dict(ignore_index=ignore)
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Accuracy(top_k=2, **kw),
+        esm.Precision(c, average="macro", **kw),
+        esm.Recall(c, average="weighted", **kw),
+        esm.F1(c, average=None, **kw),
+        esm.ConfusionMatrix(c, **kw),
+    ]
+    refs = [
+        tc.MulticlassAccuracy(c, average="micro", **kw),
+        tc.MulticlassAccuracy(c, top_k=2, average="micro", **kw),
+        tc.MulticlassPrecision(c, average="macro", **kw),
+        tc.MulticlassRecall(c, average="weighted", **kw),
+        tc.MulticlassF1Score(c, average="none", **kw),
+        tc.MulticlassConfusionMatrix(c, **kw),
+    ]
+    check(metrics, refs, mode, logits, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ignore", [-1, 0])
+def test_ignore_index_multilabel(mode, ignore):
+    rng = np.random.default_rng(12)
+    n, labels = 20, 3
+    p = rng.random((n, labels)).astype(np.float32)
+    y = rng.integers(0, 2, (n, labels))
+    if ignore == -1:
+        y[rng.random((n, labels)) < 0.25] = -1  # ignored entries, per label
+    kw = dict(threshold=0.5, ignore_index=ignore)
+    ml = dict(multilabel=True, **kw)
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Precision(labels, average="macro", **ml),
+        esm.Recall(labels, average="micro", **ml),
+        esm.F1(labels, average=None, **ml),
+        esm.ConfusionMatrix(labels, **ml),
+    ]
+    refs = [
+        tc.MultilabelAccuracy(labels, average="micro", **kw),
+        tc.MultilabelPrecision(labels, average="macro", **kw),
+        tc.MultilabelRecall(labels, average="micro", **kw),
+        tc.MultilabelF1Score(labels, average="none", **kw),
+        tc.MultilabelConfusionMatrix(labels, **kw),
+    ]
+    check(metrics, refs, mode, p, y)
+
+
+def test_ignore_index_must_be_an_int():
+    # (a float is refused by the signature's type check in the tests)
+    for cls in (esm.Accuracy, esm.F1, esm.ConfusionMatrix):
+        kw = {} if cls is esm.Accuracy else {"num_classes": 2}
+        with pytest.raises(TypeError, match="ignore_index must be None or an int"):
+            cls(ignore_index=True, **kw)
+
+
+# ---------------------------------------------------------------------- logits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_binary_logits_are_passed_through_a_sigmoid(mode):
+    rng = np.random.default_rng(13)
+    logits = (2 * rng.normal(size=24)).astype(np.float32)
+    y = rng.integers(0, 2, 24)
+    # the second half is probabilities: each update decides for itself, as
+    # torchmetrics decides per call (the merged halves equal its two calls)
+    logits[12:] = rng.random(12).astype(np.float32)
+    kw = dict(threshold=0.5)
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Precision(**kw),
+        esm.Recall(**kw),
+        esm.F1(**kw),
+        esm.ConfusionMatrix(2, **kw),
+    ]
+    refs = [
+        tc.BinaryAccuracy(**kw),
+        tc.BinaryPrecision(**kw),
+        tc.BinaryRecall(**kw),
+        tc.BinaryF1Score(**kw),
+        tc.BinaryConfusionMatrix(**kw),
+    ]
+    whole = check(metrics, refs, mode, logits, y)
+    # by hand: the whole batch (it has values outside [0, 1]) through a sigmoid
+    hard = (1 / (1 + np.exp(-logits.astype(np.float64))) > 0.5).astype(int)
+    assert float(whole[0].compute()) == pytest.approx(np.mean(hard == y))
+    assert not np.array_equal(hard, logits > 0.5)  # the rule matters here
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multilabel_logits_are_passed_through_a_sigmoid(mode):
+    rng = np.random.default_rng(14)
+    n, labels = 20, 3
+    logits = rng.normal(size=(n, labels)).astype(np.float32)
+    logits[:10] = rng.random((10, labels)).astype(np.float32)  # probabilities
+    y = rng.integers(0, 2, (n, labels))
+    kw = dict(threshold=0.5)
+    ml = dict(multilabel=True, **kw)
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Precision(labels, average="micro", **ml),
+        esm.Recall(labels, average="macro", **ml),
+        esm.F1(labels, average="weighted", **ml),
+        esm.ConfusionMatrix(labels, **ml),
+    ]
+    refs = [
+        tc.MultilabelAccuracy(labels, average="micro", **kw),
+        tc.MultilabelPrecision(labels, average="micro", **kw),
+        tc.MultilabelRecall(labels, average="macro", **kw),
+        tc.MultilabelF1Score(labels, average="weighted", **kw),
+        tc.MultilabelConfusionMatrix(labels, **kw),
+    ]
+    check(metrics, refs, mode, logits, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_rule_with_masked_and_ignored_entries(mode):
+    """Masked-out entries are not given to the metric: they do not decide. Ignored
+    ones are given: they decide, except for torchmetrics' BinaryConfusionMatrix,
+    which drops them first."""
+    p = np.array([0.2, 0.7, 0.4, 0.9, 0.6, 0.1], np.float32)
+    y = np.array([0, 1, 1, 1, 0, 0])
+    p_out = p.copy()
+    p_out[5] = 3.0  # a logit on an entry that is masked out / ignored
+    mask = np.array([True] * 5 + [False])
+    metrics = [esm.Precision(threshold=0.5), esm.ConfusionMatrix(2, threshold=0.5)]
+    got = update_all(metrics, mode, p_out, y, mask)
+    tp, ty = torch.tensor(p[:5]), torch.tensor(y[:5])
+    want = tc.BinaryPrecision(threshold=0.5)(tp, ty).item()  # probabilities
+    np.testing.assert_allclose(got[0].compute(), want, rtol=1e-6)
+    np.testing.assert_array_equal(
+        got[1].compute(), tc.BinaryConfusionMatrix(threshold=0.5)(tp, ty).numpy()
+    )
+    y_ign = y.copy()
+    y_ign[5] = -1
+    metrics = [
+        esm.Precision(threshold=0.5, ignore_index=-1),
+        esm.ConfusionMatrix(2, threshold=0.5, ignore_index=-1),
+    ]
+    got = update_all(metrics, mode, p_out, y_ign)
+    tp, ty = torch.tensor(p_out), torch.tensor(y_ign)
+    prec = tc.BinaryPrecision(threshold=0.5, ignore_index=-1)(tp, ty).item()
+    cm = tc.BinaryConfusionMatrix(threshold=0.5, ignore_index=-1)(tp, ty).numpy()
+    np.testing.assert_allclose(got[0].compute(), prec, rtol=1e-6)
+    np.testing.assert_array_equal(got[1].compute(), cm)
+    # the two rules differ on this batch: sigmoid(0.4) > 0.5, 0.4 is not
+    assert prec != want
