@@ -11,7 +11,7 @@ from ._buffer import (
     PowerIterationState as PowerIterationState,
     RecordState as RecordState,
     RngState as RngState,
-    is_array as is_array,
+    is_array_or_ref as is_array_or_ref,
     is_state as is_state,
     params as params,
 )
@@ -48,9 +48,6 @@ from ._state_dict import (
     state_dict as state_dict,
 )
 from ._step import (
-    Apply as Apply,
-    OwnedLoop as OwnedLoop,
-    Step as Step,
     apply as apply,
     make_apply as make_apply,
     make_step as make_step,
@@ -60,3 +57,34 @@ from ._vmap import vmap as vmap
 
 
 __version__ = "0.1.0"
+
+
+def _deprecated() -> dict[str, tuple[str, object]]:
+    from . import _buffer, _step
+
+    return {
+        # named like Equinox's `eqx.is_array`, with other semantics (refs count)
+        "is_array": ("eqx_state.is_array_or_ref", _buffer.is_array_or_ref),
+        # the objects `make_step` / `make_apply` / `Step.own` return: use them
+        # through those functions
+        "Step": ("the object `eqx_state.make_step` returns", _step.Step),
+        "Apply": ("the object `eqx_state.make_apply` returns", _step.Apply),
+        "OwnedLoop": ("the object `step.own` returns", _step.OwnedLoop),
+    }
+
+
+def __getattr__(name: str) -> object:
+    """Names kept for one release after a rename, with a `DeprecationWarning`."""
+    table = _deprecated()
+    if name in table:
+        import warnings
+
+        new, value = table[name]
+        warnings.warn(
+            f"`eqx_state.{name}` is deprecated and will be removed in the next "
+            f"release: use {new}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+    raise AttributeError(f"module 'eqx_state' has no attribute {name!r}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed
-from ._errors import StaleModelError, StateError, StateWriteError
+from ._errors import StaleModelError, StateError, StateWriteError, stale_message
 
 
 REF_KIND = "no_grad_no_remat"
@@ -118,8 +118,8 @@ class Buffer(eqx.Module):
         v = self.value
         if _is_ref(v):
             _check_ref(self)
-        elif isinstance(v, jax.Array) and not isinstance(v, Tracer) and v.is_deleted():
-            raise StaleModelError(stale_message(describe(self)))
+        else:
+            check_live(v, describe(self))
         return v[idx]
 
     def __setitem__(self, idx: Any, new: Any) -> None:
@@ -188,17 +188,15 @@ def describe(buf: Buffer) -> str:
     return f"{type(buf).__name__} cell{where} (shape {shape})"
 
 
-def stale_message(what: str) -> str:
-    return (
-        f"The {what} holds an array that was consumed (donated) by an earlier call: "
-        "`make_step` and `make_apply` donate the buffers they replace, so after "
-        "`model, opt_state = step(model, opt_state, ...)` the old `model` and "
-        "`opt_state` must not be used again. A donating call whose compiled program "
-        "fails at run time (an `eqx.error_if` check, a NaN check) has also consumed "
-        "what it was given. Use the model the call returned, or build the step with "
-        "`make_step(..., donate=False)` / `make_apply(..., donate=False)` to keep "
-        "old models valid."
-    )
+def check_live(x: Any, what: str) -> None:
+    """The one check that `x` (an array or a ref) was not consumed by donation:
+    `StaleModelError` naming `what` if it was."""
+    if isinstance(x, Tracer):
+        return
+    if (isinstance(x, jax.Array) and x.is_deleted()) or (
+        _is_ref(x) and ref_is_consumed(x)
+    ):
+        raise StaleModelError(stale_message(what))
 
 
 def _check_ref(buf: Buffer) -> None:
@@ -217,12 +215,11 @@ def _check_ref(buf: Buffer) -> None:
             "for a `jax.Ref`). The usual cause is scan-over-layers or "
             "`eqx.filter_vmap` with `eqx.partition(model, eqx.is_array)` (or "
             "`eqx.is_inexact_array`); use "
-            "`eqx.partition(model, es.is_array)` (arrays *and* refs) instead, so that "
+            "`eqx.partition(model, es.is_array_or_ref)` (arrays *and* refs) instead, so that "
             "each layer gets its own slice of every state ref. (If you replaced the "
             "cell's ref with `eqx.tree_at`, replace the whole cell instead.)"
         )
-    if ref_is_consumed(ref):
-        raise StaleModelError(stale_message(describe(buf)))
+    check_live(ref, describe(buf))
 
 
 def _write(buf: Buffer, idx: Any, new: Any) -> None:
@@ -234,7 +231,7 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
             "of the cells that call was given. Either it was copied out of them "
             "(`jax.tree.map(lambda a: a[i], stack)` indexing stacked layers reads "
             "a copy of every ref: run stacked layers with `lax.scan` over "
-            "`eqx.partition(stack, es.is_array)`, which gives each layer its slice "
+            "`eqx.partition(stack, es.is_array_or_ref)`, which gives each layer its slice "
             "of every ref), or it belongs to a model that is not the call's model "
             "(a closure, or an extra argument: only the model argument's cells are "
             "writable; pass both, e.g. `es.apply(fn, (model_a, model_b), x)`), or "
@@ -368,7 +365,7 @@ def is_state(x: Any) -> bool:
     return isinstance(x, Buffer)
 
 
-def is_array(x: Any) -> bool:
+def is_array_or_ref(x: Any) -> bool:
     """`eqx.is_array`, with state refs counted as arrays: the filter to partition a
     model whose cells may hold refs (inside [`eqx_state.make_step`][] /
     [`eqx_state.apply`][], or in ref mode).
@@ -376,7 +373,7 @@ def is_array(x: Any) -> bool:
     Equinox treats a `jax.Ref` as a static (non-array) leaf, so
     `eqx.partition(model, eqx.is_array)` puts state refs in the static half, where
     `lax.scan` over stacked layers or `eqx.filter_vmap` does not slice them. Use
-    `eqx.partition(model, es.is_array)` in those idioms: the refs then travel with
+    `eqx.partition(model, es.is_array_or_ref)` in those idioms: the refs then travel with
     the arrays and every layer writes its own slice.
 
     **Arguments:**
@@ -396,7 +393,7 @@ def is_array(x: Any) -> bool:
     layers = eqx.filter_vmap(lambda k: es.nn.BatchNorm(3))(jnp.arange(4))
 
     def forward(stack, x):
-        dynamic, static = eqx.partition(stack, es.is_array)
+        dynamic, static = eqx.partition(stack, es.is_array_or_ref)
         def body(x, layer_arrays):
             return eqx.combine(layer_arrays, static)(x), None
         return jax.lax.scan(body, x, dynamic)[0]

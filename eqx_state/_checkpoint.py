@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import is_state
+from ._buffer import check_live, is_state
 from ._compat import Tracer, ref_is_consumed
-from ._errors import StaleModelError, StateError, StateValueError
+from ._errors import StaleModelError, StateError, StateValueError, stale_message
 
 
 try:
@@ -135,26 +135,14 @@ def _is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _stale_message(where: str) -> str:
-    return (
-        f"{where} holds an array whose buffer was donated and deleted: this model (or "
-        "optimizer state) was consumed by a donating `es.make_step` step (or, in ref "
-        "mode, by a jitted call that failed: JAX donates ref arguments). Save the model "
-        "that the step returned, or build the step with "
-        "`es.make_step(..., donate=False)` to keep the old one as a valid snapshot."
-    )
-
-
 def _check_live(x: Any, where: str) -> None:
-    """Raise `StaleModelError` if `x` is a JAX array deleted by donation."""
-    if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
-        raise StaleModelError(_stale_message(where))
+    check_live(x, where.removeprefix("The "))
 
 
 def _read_ref(ref: Any, where: str) -> jax.Array:
     """A snapshot (a copy) of the value of a ref-mode cell."""
     if not isinstance(ref, Tracer) and ref_is_consumed(ref):  # donated away
-        raise StaleModelError(_stale_message(where))
+        raise StaleModelError(stale_message(where.removeprefix("The ")))
     return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
 
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import _is_ref, is_state, stale_message
+from ._buffer import _is_ref, is_state
 from ._compat import (
     Tracer,
     equinox_runtime_error,
@@ -44,7 +44,7 @@ from ._compat import (
     ref_buffer,
     set_ref_buffer,
 )
-from ._errors import RecompileWarning, StaleModelError, StepError
+from ._errors import RecompileWarning, StaleModelError, StepError, stale_message
 from ._modes import check_no_shared_refs, path_str
 from ._sharding import (
     constrain,

@@ -7,6 +7,20 @@ ValueError` clauses keep working.
 """
 
 
+def stale_message(what: str) -> str:
+    """The one message for a model (or optimizer state) consumed by donation."""
+    return (
+        f"The {what} holds an array that was consumed (its buffer donated and "
+        "deleted) by an earlier call: `make_step` and `make_apply` donate the "
+        "buffers they replace, so after `model, opt_state = step(model, opt_state, "
+        "...)` the old `model` and `opt_state` must not be used again. A donating "
+        "call whose compiled program fails at run time (an `eqx.error_if` check, a "
+        "NaN check) has also consumed what it was given. Use the model the call "
+        "returned, or build the step with `make_step(..., donate=False)` / "
+        "`make_apply(..., donate=False)` to keep old models valid."
+    )
+
+
 class EqxStateError(Exception):
     """Base class of every error eqx_state raises."""
 

@@ -8,9 +8,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._buffer import stale_message
-from ._compat import REF_TYPES, Tracer, ref_is_consumed
-from ._errors import StaleModelError, StateTypeError, StateValueError
+from ._buffer import check_live
+from ._errors import StateTypeError, StateValueError
 
 
 def _check_live(model: Any) -> None:
@@ -18,14 +17,7 @@ def _check_live(model: Any) -> None:
     mode would hand back a model that fails at its first parameter read with
     JAX's bare "Array has been deleted"."""
     for path, x in jax.tree_util.tree_leaves_with_path(model):
-        if isinstance(x, REF_TYPES):
-            dead = not isinstance(x, Tracer) and ref_is_consumed(x)
-        else:
-            dead = isinstance(x, jax.Array) and not isinstance(x, Tracer)
-            dead = dead and x.is_deleted()
-        if dead:
-            where = f"model's leaf `{jax.tree_util.keystr(path)}`"
-            raise StaleModelError(stale_message(where))
+        check_live(x, f"model's leaf `{jax.tree_util.keystr(path)}`")
 
 
 def _has_inference(x: Any) -> bool:

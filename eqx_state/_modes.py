@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._buffer import REF_KIND, Buffer, _is_ref, describe, is_state, stale_message
-from ._compat import Tracer, ref_is_consumed
-from ._errors import StaleModelError, StateError
+from ._buffer import REF_KIND, Buffer, _is_ref, check_live, describe, is_state
+from ._compat import Tracer
+from ._errors import StateError
 
 
 def path_str(path: tuple) -> str:
@@ -69,14 +69,6 @@ def _witness(v: Any) -> jax.Array:
         # the witness as it is (an uncommitted one would be moved at every call)
         w = jax.device_put(w, sharding)
     return w
-
-
-def _check_live(buf: Buffer) -> None:
-    v = buf.value
-    if isinstance(v, jax.Array) and not isinstance(v, Tracer) and v.is_deleted():
-        raise StaleModelError(stale_message(describe(buf)))
-    if _is_ref(v) and ref_is_consumed(v):
-        raise StaleModelError(stale_message(describe(buf)))
 
 
 def _map_cells_with_path(fn: Any, tree: Any) -> Any:
@@ -165,7 +157,7 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
     """
 
     def one(path: str, buf: Buffer) -> Buffer:
-        _check_live(buf)
+        check_live(buf.value, describe(buf))
         v = buf.value
         if _is_ref(v):
             return buf
@@ -194,7 +186,7 @@ def freeze(model: Any) -> Any:
     check_no_shared_refs(model)
 
     def one(path: str, buf: Buffer) -> Buffer:
-        _check_live(buf)
+        check_live(buf.value, describe(buf))
         if not _is_ref(buf.value):
             return buf
         return _rebuild(buf, value=buf[...], witness=None)
@@ -219,7 +211,7 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     paths: dict[int, str] = {}
 
     def one(path: str, buf: Buffer) -> Buffer:
-        _check_live(buf)
+        check_live(buf.value, describe(buf))
         v = buf.value
         if _is_ref(v):
             record.append(buf)

@@ -390,7 +390,7 @@ def global_batch(
         batch on axis `batch_axis`.
     - `mesh`: the step's mesh (all processes' devices).
     - `data_axis`: the mesh axis that shards the batch.
-    - `batch_axis`: 0 for a step's arguments, 1 for [`eqx_state.Step.scan`][]'s
+    - `batch_axis`: 0 for a step's arguments, 1 for [`Step.scan`][eqx_state._step.Step.scan]'s
         (`[K, batch, ...]`).
 
     **Returns:**

@@ -298,7 +298,7 @@ class Step:
 
 class OwnedLoop:
     """A training loop that owns a model and its optimizer state; made by
-    [`eqx_state.Step.own`][]."""
+    [`Step.own`][eqx_state._step.Step.own]."""
 
     def __init__(self, step: Step, owned: Owned):
         self._extras = step._extras
@@ -479,7 +479,7 @@ def make_step(
         per-slice batch statistics, updated `microbatches` times, as in PyTorch's
         gradient accumulation, and an `EMA.update` in the loss advances once per
         slice. With `has_aux=True`, `aux` is stacked per slice.
-    - `scan_unroll`: `lax.scan`'s `unroll` for [`eqx_state.Step.scan`][] (how many
+    - `scan_unroll`: `lax.scan`'s `unroll` for [`Step.scan`][eqx_state._step.Step.scan] (how many
         steps each iteration of the compiled loop runs; `True`: all of them). On
         CPU, XLA runs convolutions inside a loop several times slower than outside
         one (measured: a small CNN 17x slower per step); unrolling avoids the loop,
@@ -488,7 +488,7 @@ def make_step(
 
     **Returns:**
 
-    A [`eqx_state.Step`][]: call it as `model, opt_state = step(model, opt_state,
+    A [`Step`][eqx_state._step.Step]: call it as `model, opt_state = step(model, opt_state,
     *args, **kwargs)`; `step.init(model)` makes the optimizer state. In ref mode
     ([`eqx_state.to_refs`][]) the returned model holds the same refs, updated in
     place.
@@ -588,13 +588,13 @@ def make_apply(
     - `fn`: `fn(model, *args, **kwargs)`, any function of the model.
     - `donate`: donate the state cells the call replaces; the model passed in is then
         consumed (its parameters stay valid). `donate=False` keeps it valid.
-    - `scan_unroll`: `lax.scan`'s `unroll` for [`eqx_state.Apply.scan`][] (see
+    - `scan_unroll`: `lax.scan`'s `unroll` for [`Apply.scan`][eqx_state._step.Apply.scan] (see
         [`eqx_state.make_step`][]).
     - `**jit_kwargs`: passed to `jax.jit`.
 
     **Returns:**
 
-    An [`eqx_state.Apply`][].
+    An [`Apply`][eqx_state._step.Apply].
 
     **Example:**
 

@@ -38,7 +38,7 @@ def batches_of_epoch(rng, n, batch_size):
     return order[: k * batch_size].reshape(k, batch_size)
 
 
-def run(args, scan: bool) -> tuple[es.Step, object, object, float, int]:
+def run(args, scan: bool) -> tuple[object, object, object, float, int]:
     x_tr, y_tr, _, _ = load_digits(0.25, args.seed, args.train_size)
     if args.float64:
         x_tr = x_tr.astype(np.float64)

@@ -3,7 +3,7 @@
 * Train metrics (running mean loss, last loss, accuracy) live in the model and are
   updated inside the loss function, during the jit-compiled `es.make_step`; they are
   read after every step for the progress bar and reset at the start of each epoch
-  with `es.metrics.reset`.
+  with `es.reset`.
 * Eval metrics (mean loss, accuracy, macro F1, confusion matrix) are a separate
   `es.metrics.Metrics` collection updated in a jitted evaluation loop through
   `es.apply`. The last batch is padded to the batch size and masked, so the eval

@@ -59,3 +59,63 @@ def pytest_collection_modifyitems(config, items):
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file is kept
+
+
+# Every error eqx_state raises is an `es.EqxStateError` (issue 23). Each
+# `pytest.raises` of the suite checks it: an exception raised in eqx_state's own code
+# (the innermost frame of its traceback is in the package) must be one. So every
+# error path the suite exercises is walked, without a list to keep up to date.
+_PACKAGE = (
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eqx_state"
+    )
+    + os.sep
+)
+_raises = pytest.raises
+
+
+def _raised_by_the_library(e: BaseException) -> bool:
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+class _CheckedRaises:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __enter__(self):
+        self._info = self._inner.__enter__()
+        return self._info
+
+    def __exit__(self, *exc):
+        out = self._inner.__exit__(*exc)
+        e = exc[1]
+        if e is not None and _raised_by_the_library(e):
+            from eqx_state import EqxStateError
+
+            assert isinstance(e, EqxStateError), (
+                f"eqx_state raised {type(e).__name__} ({e}), which is not an "
+                "es.EqxStateError: raise one of eqx_state/_errors.py's types"
+            )
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _checked_raises(*args, **kwargs):
+    if len(args) > 1 or "func" in kwargs:  # the call form: pytest.raises(E, f, *a)
+        info = _raises(*args, **kwargs)
+        if _raised_by_the_library(info.value):
+            from eqx_state import EqxStateError
+
+            assert isinstance(info.value, EqxStateError), type(info.value)
+        return info
+    return _CheckedRaises(_raises(*args, **kwargs))
+
+
+pytest.raises = _checked_raises

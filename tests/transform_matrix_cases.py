@@ -717,9 +717,9 @@ def t_scan_layers_eqx(case: Case, mode: str) -> Result:
 
 
 def t_scan_layers_es(case: Case, mode: str) -> Result:
-    """The same idiom with `eqx.partition(stack, es.is_array)`: refs count as
+    """The same idiom with `eqx.partition(stack, es.is_array_or_ref)`: refs count as
     arrays, so `lax.scan` gives each layer its own slice of every state ref."""
-    return _scan_partitioned(case, mode, es.is_array)
+    return _scan_partitioned(case, mode, es.is_array_or_ref)
 
 
 def _jit_in_mode(fn: Callable, mode: str) -> Callable:
@@ -753,7 +753,7 @@ def t_vmap_cond(case: Case, mode: str) -> Result:
     `es.apply` in both modes."""
     ens = prepare(ensemble(case.name), mode)
     outs, st, xs = _ensemble_reference(case, E)
-    dyn, static = eqx.partition(ens, es.is_array)
+    dyn, static = eqx.partition(ens, es.is_array_or_ref)
     preds = jnp.arange(E) % 2 == 0
 
     def fn(d, xs, preds):
@@ -822,7 +822,7 @@ TRANSFORMS: dict[str, Callable[[Case, str], Result]] = {
     "scan (time)": t_scan_time,
     "scan (layers)": t_scan_layers,
     "scan (layers, eqx.is_array)": t_scan_layers_eqx,
-    "scan (layers, es.is_array)": t_scan_layers_es,
+    "scan (layers, es.is_array_or_ref)": t_scan_layers_es,
     "cond": t_cond,
     "vmap of cond": t_vmap_cond,
     "switch": t_switch,
@@ -877,12 +877,12 @@ _DIFFERENT_ROWS = Raises(
 )
 _UNSLICED_REF = Raises(
     es.StateError,
-    r"eqx\.partition\(model, es\.is_array\)",
+    r"eqx\.partition\(model, es\.is_array_or_ref\)",
     "Equinox treats refs as static (`eqx.is_array` is False for a `jax.Ref`), so "
     "the transformation slices the model's arrays but hands every layer the whole "
     "stacked ref; the cell's shape witness (an array, sliced with the others) "
     "catches the mismatch at the first read or write and the error names "
-    "`eqx.partition(model, es.is_array)` ([[scan (layers, es.is_array)]])",
+    "`eqx.partition(model, es.is_array_or_ref)` ([[scan (layers, es.is_array_or_ref)]])",
 )
 _VMAP_COND = Raises(
     NotImplementedError,
@@ -1021,18 +1021,18 @@ _PATTERNS = (
     "scan-over-layers with `eqx.partition(stack, eqx.is_array)` "
     "([[scan (layers, eqx.is_array)]]) and `eqx.filter_vmap` with its default "
     "`in_axes` over a ref-mode ensemble ([[filter_vmap (ensemble)]]). Every such "
-    "use raises, naming the fix: partition with `es.is_array` (arrays and refs), "
-    "which makes the idiom exact ([[scan (layers, es.is_array)]]); for "
-    "`eqx.filter_vmap`, `in_axes=(lambda x: 0 if es.is_array(x) else None, 0)`, "
+    "use raises, naming the fix: partition with `es.is_array_or_ref` (arrays and refs), "
+    "which makes the idiom exact ([[scan (layers, es.is_array_or_ref)]]); for "
+    "`eqx.filter_vmap`, `in_axes=(lambda x: 0 if es.is_array_or_ref(x) else None, 0)`, "
     "or `jax.vmap` over the partitioned model ([[vmap (ensemble)]]). In value mode "
     "outside a step, cells hold arrays and every Equinox idiom works as usual.",
     "**Per-example calls** (Equinox's BatchNorm style): `es.vmap(..., "
     "axis_name=...)` with layers that reduce over the axis "
     "([[es.vmap (per example)]]). A plain `jax.vmap` cannot write any state "
     "([[vmap (per example)]]).",
-    "**Scan over layers**: `eqx.partition(stack, es.is_array)` and `lax.scan` over "
+    "**Scan over layers**: `eqx.partition(stack, es.is_array_or_ref)` and `lax.scan` over "
     "the dynamic half, in either mode, eagerly or under `jit` "
-    "([[scan (layers, es.is_array)]]). Indexing ref views `ref.at[i]` by hand also "
+    "([[scan (layers, es.is_array_or_ref)]]). Indexing ref views `ref.at[i]` by hand also "
     "works ([[scan (layers)]]).",
     "**Caches are per sequence.** A batch of sequences decodes with a batch of "
     "caches (an ensemble: [[vmap (ensemble)]], [[sharded jit (4 devices)]]), not "

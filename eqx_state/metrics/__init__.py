@@ -11,8 +11,7 @@ matrix. It is updated where the value is computed:
 
 `update(...)` writes, `compute()` reads, `a.merge(b)` combines two metrics into a new
 one (pure, associative), `metric.reduce(axis_name)` combines them over a named axis
-(`vmap` / `shard_map` / `pmap`), and [`eqx_state.reset`][] (also available as
-`eqx_state.metrics.reset`) starts every metric in a model over without touching
+(`vmap` / `shard_map` / `pmap`), and [`eqx_state.reset`][] starts every metric in a model over without touching
 other state.
 
 Your own metric declares its statistics with [`eqx_state.metrics.statistic`][] and
@@ -36,7 +35,6 @@ could be mistaken for a result, a statistic tells "no data" apart: `Mean.weight`
 `Accuracy.total`, `MeanStd.count`, and `count` of `Min`, `Max` and `LastValue`.
 """
 
-from .._reset import reset as reset
 from ._accuracy import Accuracy as Accuracy
 from ._base import Metric as Metric, Statistic as Statistic, statistic as statistic
 from ._classification import (
@@ -51,3 +49,20 @@ from ._histogram import Histogram as Histogram
 from ._last_value import LastValue as LastValue
 from ._mean import Mean as Mean, Sum as Sum
 from ._mean_std import MeanStd as MeanStd
+
+
+def __getattr__(name: str) -> object:
+    """`reset` is kept for one release with a `DeprecationWarning`."""
+    if name == "reset":
+        import warnings
+
+        from .._reset import reset
+
+        warnings.warn(
+            "`eqx_state.metrics.reset` is deprecated and will be removed in the next "
+            "release: use `eqx_state.reset` (the same function).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return reset
+    raise AttributeError(f"module 'eqx_state.metrics' has no attribute {name!r}")

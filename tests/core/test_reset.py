@@ -223,5 +223,6 @@ def test_bad_which_is_refused():
 
 
 def test_one_reset_function():
-    assert es.metrics.reset is es.reset
+    with pytest.warns(DeprecationWarning, match=r"use `eqx_state\.reset`"):
+        assert es.metrics.reset is es.reset
     assert not hasattr(es.metrics.Metric, "_reset")

@@ -338,13 +338,13 @@ def test_a_map_over_every_leaf_gives_one_clear_error(runner):
         "make_apply": lambda m: es.make_apply(fwd)(m, x),
         "filter_jit": lambda m: eqx.filter_jit(es.apply)(fwd, m, x),
         "jax.jit": lambda m: jax.jit(lambda d: es.apply(fwd, eqx.combine(d, st), x))(
-            eqx.filter(m, es.is_array)
+            eqx.filter(m, es.is_array_or_ref)
         ),
         "make_step": lambda m: (lambda s: s(m, s.init(m), x))(
             es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1))
         ),
     }
-    st = eqx.filter(model, es.is_array, inverse=True)
+    st = eqx.filter(model, es.is_array_or_ref, inverse=True)
     with pytest.raises(TypeError, match=r"inference` must be a Python bool.*is_array"):
         runs[runner](model)
 
@@ -419,7 +419,7 @@ def test_scan_over_layers_with_es_is_array_is_exact(mode, runner):
     biases = [np.asarray(stack.lin.bias[i], np.float64) for i in range(3)]
     stack = as_mode(stack, mode)
     x = jax.random.normal(jax.random.key(1), (16, 4)) + 2.0
-    fwd = lambda m, x: scan_layers(m, x, es.is_array)  # noqa: E731
+    fwd = lambda m, x: scan_layers(m, x, es.is_array_or_ref)  # noqa: E731
     for _ in range(2):
         if runner == "apply":
             _, stack = es.apply(fwd, stack, x)
@@ -437,18 +437,20 @@ def test_scan_over_layers_with_es_is_array_is_exact(mode, runner):
 @pytest.mark.parametrize("mode", MODES)
 def test_indexing_stacked_layers_names_the_scan_idiom(mode):
     """`jax.tree.map(lambda a: a[i], stack)` reads a copy of every ref: a write
-    into it would be lost, and the error says to scan with `es.is_array`."""
+    into it would be lost, and the error says to scan with `es.is_array_or_ref`."""
     stack = as_mode(
         eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), mode
     )
 
     def unrolled(m, x):
         for i in range(3):
-            layer = jax.tree.map(lambda a, i=i: a[i] if es.is_array(a) else a, m)
+            layer = jax.tree.map(lambda a, i=i: a[i] if es.is_array_or_ref(a) else a, m)
             x = layer(x)
         return x
 
-    with pytest.raises(es.StateWriteError, match=r"a\[i\].*lax\.scan.*es\.is_array"):
+    with pytest.raises(
+        es.StateWriteError, match=r"a\[i\].*lax\.scan.*es\.is_array_or_ref"
+    ):
         es.apply(unrolled, stack, jnp.ones((8, 4)))
     assert stack.bn.num_batches_tracked[...].tolist() == [0, 0, 0]
 
@@ -465,14 +467,16 @@ def test_indexing_stacked_layers_names_the_scan_idiom(mode):
 def test_scan_over_layers_with_equinox_filters_is_refused(mode, runner, filter_):
     """`eqx.partition(stack, eqx.is_array)` (or `eqx.is_inexact_array`)
     leaves the refs in the static half: every layer would write the whole stacked
-    statistic. It raises, naming `es.is_array`, and writes nothing. (An eager call
+    statistic. It raises, naming `es.is_array_or_ref`, and writes nothing. (An eager call
     of a value-mode model refuses every write, scanned or not.)"""
     stack = as_mode(
         eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 3)), mode
     )
     x = jnp.ones((8, 4))
     fwd = lambda m, x: scan_layers(m, x, filter_)  # noqa: E731
-    with pytest.raises(es.StateError, match=r"eqx\.partition\(model, es\.is_array\)"):
+    with pytest.raises(
+        es.StateError, match=r"eqx\.partition\(model, es\.is_array_or_ref\)"
+    ):
         if runner == "apply":
             es.apply(fwd, stack, x)
         elif runner == "eager":

@@ -318,7 +318,7 @@ def test_layout_errors_name_the_path():
         es.make_step(lambda m, x: 0.0, optax.sgd(0.1), layout=[])
 
 
-@pytest.mark.parametrize("obj", [es.place, es.global_batch, es.Step.place])
+@pytest.mark.parametrize("obj", [es.place, es.global_batch, es._step.Step.place])
 def test_docstring_examples_run(obj):
     import inspect
     import re

@@ -351,7 +351,7 @@ class Stacked(eqx.Module):
     head: eqx.nn.Linear
 
     def __call__(self, x):
-        dynamic, static = eqx.partition(self.blocks, es.is_array)
+        dynamic, static = eqx.partition(self.blocks, es.is_array_or_ref)
 
         def body(x, arrays):
             return eqx.combine(arrays, static)(x), x
@@ -404,7 +404,7 @@ def test_an_ensemble_reports_one_entry_per_member():
     xs = jnp.array([[1.0, 5.0], [-3.0, 2.0]])
 
     def call(recs, xs):
-        dynamic, static = eqx.partition(recs, es.is_array)
+        dynamic, static = eqx.partition(recs, es.is_array_or_ref)
         return jax.vmap(lambda d, x: eqx.combine(d, static)(x))(dynamic, xs)
 
     _, recs = es.apply(call, recs, xs)
@@ -434,7 +434,7 @@ class Narrow(eqx.Module):
 
 
 def _scan(stack, x):
-    dynamic, static = eqx.partition(stack, es.is_array)
+    dynamic, static = eqx.partition(stack, es.is_array_or_ref)
     return jax.lax.scan(lambda x, a: (eqx.combine(a, static)(x), None), x, dynamic)[0]
 
 
@@ -741,7 +741,7 @@ def test_remat_records_once_per_call():
         rec: es.nn.Record
 
         def __call__(self, x):
-            arrays, static = eqx.partition(self, es.is_array)
+            arrays, static = eqx.partition(self, es.is_array_or_ref)
 
             def f(arrays, x):
                 m = eqx.combine(arrays, static)
