@@ -44,6 +44,7 @@ from ._sharding import (
 )
 from ._state_dict import (
     IncompatibleKeys as IncompatibleKeys,
+    register_torch_names as register_torch_names,
     load_state_dict as load_state_dict,
     state_dict as state_dict,
 )
