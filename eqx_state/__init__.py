@@ -44,8 +44,8 @@ from ._sharding import (
 )
 from ._state_dict import (
     IncompatibleKeys as IncompatibleKeys,
-    register_torch_names as register_torch_names,
     load_state_dict as load_state_dict,
+    register_torch_names as register_torch_names,
     state_dict as state_dict,
 )
 from ._step import (

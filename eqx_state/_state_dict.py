@@ -231,9 +231,7 @@ def _module_view(module: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]]
         return _view(module, conv), lambda a: conv.from_torch(module, a)
     items, treedef = _items(module, "")
     view = dict(items)
-    return view, lambda a: jax.tree_util.tree_unflatten(
-        treedef, [a[k] for k in view]
-    )
+    return view, lambda a: jax.tree_util.tree_unflatten(treedef, [a[k] for k in view])
 
 
 def _spatial(w: Any) -> tuple[int, ...]:

@@ -152,7 +152,9 @@ def test_spectral_norm_discriminator_matches_torch(api, mode):
             legacy[f"{layer}.{LEGACY_NAMES.get(local, local)}"] = v
         old = TorchD(torch.nn.utils.spectral_norm)
         old.load_state_dict(_torch_sd(legacy), strict=True)
-        np.testing.assert_array_equal(old.fc.weight_u.numpy(), sd["fc." + "parametrizations.weight.0._u"])
+        np.testing.assert_array_equal(
+            old.fc.weight_u.numpy(), sd["fc." + "parametrizations.weight.0._u"]
+        )
     # and back into eqx_state, bit for bit
     back = es.load_state_dict(D(jax.random.key(1)), _torch_sd(sd))
     _assert_same(es.state_dict(back), _torch_sd(sd))
@@ -186,7 +188,11 @@ def test_weight_norm_both_apis():
     for wn in (tp.weight_norm, torch.nn.utils.weight_norm):
         t = wn(torch.nn.Linear(3, 5))
         with torch.no_grad():  # g away from ||v||
-            g = t.parametrizations.weight.original0 if wn is tp.weight_norm else t.weight_g
+            g = (
+                t.parametrizations.weight.original0
+                if wn is tp.weight_norm
+                else t.weight_g
+            )
             g.mul_(torch.linspace(0.5, 2.0, 5)[:, None])
         layer = eqx.nn.WeightNorm(eqx.nn.Linear(3, 5, key=jax.random.key(0)))
         layer = es.load_state_dict(layer, t.state_dict())
@@ -317,7 +323,7 @@ def test_zero_debias_ema_exports_the_debiased_average():
     net = eqx.nn.Linear(2, 3, key=jax.random.key(0))
     ema = es.to_refs(es.nn.EMA(net, decay=0.5, zero_debias=True))
     for s in (1.0, 3.0):
-        ema.update(jax.tree.map(lambda x: x + s, net))
+        ema.update(jax.tree.map(lambda x, s=s: x + s, net))
     sd = es.state_dict(ema)
     assert list(sd) == ["n_averaged", "module.weight", "module.bias"]
     np.testing.assert_allclose(sd["module.weight"], ema.average.weight, rtol=1e-6)
@@ -379,7 +385,9 @@ def test_half_of_a_summed_bias_is_refused(kind):
     cell = es.load_state_dict(cell, t.state_dict())
     new_ih, new_hh = torch.randn_like(t.bias_ih), torch.randn_like(t.bias_hh)
     # PyTorch adds the new bias_ih to its old bias_hh, which Equinox does not keep
-    with pytest.raises(ValueError, match=r"`bias_ih` but not `bias_hh`.*`bias_ih`, `bias_hh`"):
+    with pytest.raises(
+        ValueError, match=r"`bias_ih` but not `bias_hh`.*`bias_ih`, `bias_hh`"
+    ):
         es.load_state_dict(cell, {"bias_ih": new_ih}, strict=False)
     with pytest.raises(ValueError, match=r"`bias_hh` but not `bias_ih`"):
         es.load_state_dict(cell, {"bias_hh": new_hh}, strict=False)
@@ -397,7 +405,9 @@ def test_half_of_a_summed_bias_is_refused(kind):
         else:
             want = t(_t(x)[None], _t(h)[None]).numpy()[0]
             got = cell(jnp.asarray(x), jnp.asarray(h))
-    np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got).reshape(want.shape), want, rtol=1e-5, atol=1e-6
+    )
 
 
 # ------------------------------------------ Dropout: an abstract port, strict=False
@@ -447,8 +457,9 @@ def test_dropout_port_into_an_abstract_model_with_strict_false():
     assert 0.2 < kept.mean() < 0.8
     # seeded from the name: the same in every load, so runs are reproducible
     again, _ = es.load_state_dict(abstract, tnet.state_dict(), strict=False)
-    sd1, sd2 = es.state_dict(again), es.state_dict(
-        es.load_state_dict(abstract, tnet.state_dict(), strict=False)[0]
+    sd1, sd2 = (
+        es.state_dict(again),
+        es.state_dict(es.load_state_dict(abstract, tnet.state_dict(), strict=False)[0]),
     )
     np.testing.assert_array_equal(sd1[rng_names[0]], sd2[rng_names[0]])
     # and a seed in the state dict wins
@@ -456,7 +467,8 @@ def test_dropout_port_into_an_abstract_model_with_strict_false():
     seeded[rng_names[0]] = jax.random.key_data(jax.random.key(7))
     seeded_model = es.load_state_dict(abstract, seeded)
     np.testing.assert_array_equal(
-        es.state_dict(seeded_model)[rng_names[0]], jax.random.key_data(jax.random.key(7))
+        es.state_dict(seeded_model)[rng_names[0]],
+        jax.random.key_data(jax.random.key(7)),
     )
 
 
@@ -483,8 +495,13 @@ class Net(eqx.Module):
         self.conv = es.nn.Batched(eqx.nn.Conv2d(3, 4, 3, key=k[0]))
         self.bn = es.nn.BatchNorm(4)
         self.attn = eqx.nn.MultiheadAttention(
-            2, 4, use_query_bias=True, use_key_bias=True, use_value_bias=True,
-            use_output_bias=True, key=k[1],
+            2,
+            4,
+            use_query_bias=True,
+            use_key_bias=True,
+            use_value_bias=True,
+            use_output_bias=True,
+            key=k[1],
         )
         self.fc = eqx.nn.Linear(4, 2, key=k[2])
 
@@ -533,3 +550,49 @@ def test_torch_path_name_follows_state_dict_names():
     # a key path into a Record inside a Sequential, as `es.recorded` needs
     path = (jax.tree_util.GetAttrKey("layers"), jax.tree_util.SequenceKey(1))
     assert torch_path_name(model, path) == "1"
+
+
+# ------------------------------- the docs' bidirectional LSTM, against torch.nn.LSTM
+
+
+def _docs_bilstm():
+    """The `BiLSTM` of docs/pytorch.md (a user conversion), run from the page."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "pytorch.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    block = next(b for b in blocks if "class BiLSTM" in b)
+    code = block[: block.index("tlstm = ")]  # the definitions and the registration
+    namespace = {"eqx": eqx, "jax": jax, "jnp": jnp, "np": np, "torch": torch, "es": es}
+    exec(compile(code, "pytorch.md[BiLSTM]", "exec"), namespace)
+    return namespace["BiLSTM"]
+
+
+def test_docs_bidirectional_lstm_equals_torch_lstm():
+    BiLSTM = _docs_bilstm()
+    torch.manual_seed(0)
+    t = torch.nn.LSTM(4, 6, num_layers=2, bidirectional=True, batch_first=True)
+    model = es.load_state_dict(
+        eqx.filter_eval_shape(BiLSTM, 4, 6, 2, key=jax.random.key(0)), t.state_dict()
+    )
+    x = np.random.default_rng(1).normal(size=(3, 9, 4)).astype(np.float32)
+    with torch.no_grad():
+        ty, (th, tc) = t(_t(x))
+    y, (h, c) = jax.jit(jax.vmap(model))(jnp.asarray(x))
+    np.testing.assert_allclose(y, ty.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(h.swapaxes(0, 1), th.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(c.swapaxes(0, 1), tc.numpy(), rtol=1e-5, atol=1e-5)
+    assert float(np.abs(th.numpy()).max()) > 0.05  # a real output
+
+    sd = es.state_dict(model)  # round trip: PyTorch loads it strictly, same outputs
+    t2 = torch.nn.LSTM(4, 6, num_layers=2, bidirectional=True, batch_first=True)
+    t2.load_state_dict(_torch_sd(sd), strict=True)
+    with torch.no_grad():
+        np.testing.assert_allclose(t2(_t(x))[0].numpy(), ty.numpy(), atol=1e-5)
+    back = es.load_state_dict(model, t2.state_dict())
+    _assert_same(es.state_dict(back), _torch_sd(sd))
+    with pytest.raises(ValueError, match=r"`bias_ih_l1_reverse` but not"):
+        es.load_state_dict(
+            model, {"bias_ih_l1_reverse": t.bias_ih_l1_reverse}, strict=False
+        )
