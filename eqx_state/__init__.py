@@ -45,7 +45,6 @@ from ._sharding import (
 from ._state_dict import (
     IncompatibleKeys as IncompatibleKeys,
     load_state_dict as load_state_dict,
-    register_torch_names as register_torch_names,
     state_dict as state_dict,
 )
 from ._step import (
@@ -57,6 +56,7 @@ from ._step import (
     make_step as make_step,
 )
 from ._step_count import step_count as step_count
+from ._torch_names import register_torch_names as register_torch_names
 from ._vmap import vmap as vmap
 
 

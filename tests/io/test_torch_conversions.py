@@ -528,7 +528,7 @@ def test_missing_keys_in_torchs_order(drop):
 
 
 def test_torch_path_name_follows_state_dict_names():
-    from eqx_state._state_dict import torch_path_name
+    from eqx_state._torch_names import torch_path_name
 
     model = eqx.nn.Sequential(
         [es.nn.Batched(eqx.nn.Linear(2, 2, key=jax.random.key(0))), es.nn.BatchNorm(2)]
