@@ -165,6 +165,12 @@ def register_torch_names(
         raise StateTypeError(
             f"register_torch_names expects a class, got {type(cls).__name__}."
         )
+    if not (callable(to_torch) and callable(from_torch)):
+        raise StateTypeError(
+            f"register_torch_names({cls.__name__}, to_torch, from_torch): both "
+            "directions must be functions, `to_torch(module) -> dict` and "
+            "`from_torch(module, dict) -> module`."
+        )
     _CONVERTERS[cls] = _Converter(
         to_torch,
         from_torch,

@@ -84,6 +84,11 @@ class D(eqx.Module):
         return self.fc(h.reshape(h.shape[0], -1))
 
 
+_D_EVAL = eqx.filter_jit(lambda m, x: eqx.nn.inference_mode(m)(x))
+_D_CALL = eqx.filter_jit(lambda m, x: m(x))  # ref mode: writes the refs
+_D_APPLY = eqx.filter_jit(es.apply)
+
+
 def _x(seed):
     return np.random.default_rng(seed).normal(size=(5, 3, 8, 8)).astype(np.float32)
 
@@ -120,7 +125,7 @@ def test_spectral_norm_discriminator_matches_torch(api, mode):
     tnet.eval()
     with torch.no_grad():
         want = tnet(_t(x)).numpy()
-    got = eqx.nn.inference_mode(model)(jnp.asarray(x))
+    got = _D_EVAL(model, jnp.asarray(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
     # training: one power iteration per forward, in both
@@ -129,9 +134,9 @@ def test_spectral_norm_discriminator_matches_torch(api, mode):
         with torch.no_grad():
             want = tnet(_t(_x(seed))).numpy()
         if mode == "ref":
-            got = model(jnp.asarray(_x(seed)))
+            got = _D_CALL(model, jnp.asarray(_x(seed)))
         else:
-            got, model = es.apply(lambda m, x: m(x), model, jnp.asarray(_x(seed)))
+            got, model = _D_APPLY(lambda m, x: m(x), model, jnp.asarray(_x(seed)))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     t_sd = tnet.state_dict()
     for name in ("conv1", "conv2", "fc"):
@@ -156,7 +161,7 @@ def test_spectral_norm_discriminator_matches_torch(api, mode):
             old.fc.weight_u.numpy(), sd["fc." + "parametrizations.weight.0._u"]
         )
     # and back into eqx_state, bit for bit
-    back = es.load_state_dict(D(jax.random.key(1)), _torch_sd(sd))
+    back = es.load_state_dict(abstract, _torch_sd(sd))
     _assert_same(es.state_dict(back), _torch_sd(sd))
 
 
@@ -269,9 +274,9 @@ def test_averaged_model_continues_in_ema(mode):
         net = es.load_state_dict(model.net, tnet.state_dict())
         model = eqx.tree_at(lambda m: m.net, model, net)
         if mode == "ref":
-            model.ema.update(model.net)
+            eqx.filter_jit(lambda m: m.ema.update(m.net))(model)
         else:
-            _, model = es.apply(lambda m: m.ema.update(m.net), model)
+            _, model = _D_APPLY(lambda m: m.ema.update(m.net), model)
         sd, t_sd = es.state_dict(model.ema), tavg.state_dict()
         assert int(sd["n_averaged"]) == int(t_sd["n_averaged"]) == seed + 1
         for k in t_sd:  # PyTorch's lerp; its CPU kernel fuses a multiply-add
@@ -372,6 +377,10 @@ def test_register_torch_names_for_a_user_module():
     # abstract: names and PyTorch's shapes without arrays
     abstract = eqx.filter_eval_shape(lambda: m)
     assert es.state_dict(abstract)["0.log_scale"].shape == (3,)
+    with pytest.raises(TypeError, match="expects a class|'cls'"):  # or beartype's
+        es.register_torch_names(m, lambda m: {}, lambda m, a: m)  # pyright: ignore
+    with pytest.raises(TypeError, match="must be functions|'to_torch'"):
+        es.register_torch_names(Affine, {}, lambda m, a: m)  # pyright: ignore
 
 
 # ------------------------------------------- LSTM/GRU: two biases summed into one
