@@ -53,6 +53,7 @@ from ._step import (
     make_step as make_step,
 )
 from ._step_count import step_count as step_count
+from ._torch_names import register_torch_names as register_torch_names
 from ._vmap import vmap as vmap
 
 

@@ -5,7 +5,8 @@ Equinox and PyTorch differ."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import equinox as eqx
@@ -13,10 +14,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import Buffer, RecordState, is_state
+from ._buffer import Buffer, RngState, is_state
 from ._errors import StaleModelError, StateTypeError, StateValueError
 from ._modes import to_refs
-from .nn._batched import Batched
+from ._torch_names import (
+    _SKIPPED,
+    _Converter,
+    _converter,
+    _is_abstract,
+    _is_array,
+    _items,
+    _join,
+    _path_name,
+    _stop,
+    _view,
+)
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -32,257 +48,6 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-# --------------------------------------------------------------------------- names
-
-
-def _join(prefix: str, name: str) -> str:
-    if not prefix:
-        return name
-    if not name:
-        return prefix
-    return f"{prefix}.{name}"
-
-
-def _key_name(k: Any) -> str:
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)  # pragma: no cover - user-defined key types
-
-
-def _path_name(prefix: str, path: tuple[Any, ...]) -> str:
-    name = prefix
-    for k in path:
-        name = _join(name, _key_name(k))
-    return name
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-# ------------------------------------------------------------ PyTorch layouts
-#
-# A *layout* says how one Equinox layer type is stored in PyTorch when the two
-# differ (names or array layouts). `export` gives the layer's arrays in PyTorch's
-# layout under PyTorch's local names (jnp ops only, so `jax.eval_shape` gives the
-# expected shapes); `import_` takes every local name (PyTorch layout) and returns the
-# layer with the converted arrays. Layers without a layout are named field by field.
-
-
-class _Layout(NamedTuple):
-    applies: Callable[[Any], bool]
-    export: Callable[[Any], dict[str, Any]]
-    import_: Callable[[Any, dict[str, Any]], Any]
-
-
-def _spatial(w: Any) -> tuple[int, ...]:
-    return tuple(range(2, w.ndim))
-
-
-def _conv_export(m: Any) -> dict[str, Any]:
-    out = {"weight": m.weight}
-    if m.bias is not None:
-        out["bias"] = m.bias.reshape(-1)  # Equinox [C, 1, ...], PyTorch [C]
-    return out
-
-
-def _conv_import(m: Any, a: dict[str, Any]) -> Any:
-    m = eqx.tree_at(lambda x: x.weight, m, a["weight"])
-    if m.bias is not None:
-        m = eqx.tree_at(lambda x: x.bias, m, a["bias"].reshape(m.bias.shape))
-    return m
-
-
-# Equinox's ConvTranspose weight is the forward convolution's kernel
-# `[out, in/groups, *k]`, flipped in space; PyTorch's is `[in, out/groups, *k]`.
-def _convt_export(m: Any) -> dict[str, Any]:
-    w = jnp.flip(m.weight, _spatial(m.weight))
-    g, k = m.groups, w.shape[2:]
-    out_c, in_g = w.shape[0], w.shape[1]
-    w = w.reshape((g, out_c // g, in_g) + k).swapaxes(1, 2)
-    out = {"weight": w.reshape((g * in_g, out_c // g) + k)}
-    if m.bias is not None:
-        out["bias"] = m.bias.reshape(-1)
-    return out
-
-
-def _convt_import(m: Any, a: dict[str, Any]) -> Any:
-    t = a["weight"]
-    g, k = m.groups, t.shape[2:]
-    in_c, out_g = t.shape[0], t.shape[1]
-    w = t.reshape((g, in_c // g, out_g) + k).swapaxes(1, 2)
-    w = w.reshape((g * out_g, in_c // g) + k)
-    m = eqx.tree_at(lambda x: x.weight, m, jnp.flip(w, _spatial(w)))
-    if m.bias is not None:
-        m = eqx.tree_at(lambda x: x.bias, m, a["bias"].reshape(m.bias.shape))
-    return m
-
-
-def _prelu_export(m: Any) -> dict[str, Any]:
-    return {"weight": m.negative_slope.reshape(-1)}  # PyTorch: [num_parameters]
-
-
-def _prelu_import(m: Any, a: dict[str, Any]) -> Any:
-    shape = m.negative_slope.shape
-    return eqx.tree_at(lambda x: x.negative_slope, m, a["weight"].reshape(shape))
-
-
-# eqx.nn.MultiheadAttention <-> torch.nn.MultiheadAttention(E, H, kdim, vdim,
-# bias=...): PyTorch packs the three input projections (`in_proj_weight` when
-# kdim == vdim == E, else `q/k/v_proj_weight`) and their biases (`in_proj_bias`),
-# and names the output projection `out_proj`.
-def _mha_applies(m: Any) -> bool:
-    e = m.query_size
-    in_bias = (m.use_query_bias, m.use_key_bias, m.use_value_bias)
-    return (
-        m.num_heads * m.qk_size == e
-        and m.num_heads * m.vo_size == e
-        and m.output_size == e
-        and len(set(in_bias)) == 1
-    )
-
-
-def _mha_packed(m: Any) -> bool:
-    return m.key_size == m.value_size == m.query_size
-
-
-def _mha_export(m: Any) -> dict[str, Any]:
-    projs = (m.query_proj, m.key_proj, m.value_proj)
-    out: dict[str, Any] = {}
-    if _mha_packed(m):
-        out["in_proj_weight"] = jnp.concatenate([p.weight for p in projs])
-    else:
-        for n, p in zip("qkv", projs):
-            out[f"{n}_proj_weight"] = p.weight
-    if m.use_query_bias:
-        out["in_proj_bias"] = jnp.concatenate([p.bias for p in projs])
-    out["out_proj.weight"] = m.output_proj.weight
-    if m.use_output_bias:
-        out["out_proj.bias"] = m.output_proj.bias
-    return out
-
-
-def _mha_import(m: Any, a: dict[str, Any]) -> Any:
-    e = m.query_size
-    if _mha_packed(m):
-        ws = [a["in_proj_weight"][i * e : (i + 1) * e] for i in range(3)]
-    else:
-        ws = [a[f"{n}_proj_weight"] for n in "qkv"]
-    m = eqx.tree_at(
-        lambda x: (x.query_proj.weight, x.key_proj.weight, x.value_proj.weight), m, ws
-    )
-    if m.use_query_bias:
-        bs = [a["in_proj_bias"][i * e : (i + 1) * e] for i in range(3)]
-        m = eqx.tree_at(
-            lambda x: (x.query_proj.bias, x.key_proj.bias, x.value_proj.bias), m, bs
-        )
-    m = eqx.tree_at(lambda x: x.output_proj.weight, m, a["out_proj.weight"])
-    if m.use_output_bias:
-        m = eqx.tree_at(lambda x: x.output_proj.bias, m, a["out_proj.bias"])
-    return m
-
-
-# eqx.nn.LSTMCell keeps one bias, PyTorch two (`bias_ih + bias_hh`); the gate order
-# (i, f, g, o) is the same. Export puts the whole bias in `bias_ih`.
-def _lstm_export(m: Any) -> dict[str, Any]:
-    out = {"weight_ih": m.weight_ih, "weight_hh": m.weight_hh}
-    if m.bias is not None:
-        out["bias_ih"] = m.bias
-        out["bias_hh"] = jnp.zeros_like(m.bias)
-    return out
-
-
-def _lstm_import(m: Any, a: dict[str, Any]) -> Any:
-    m = eqx.tree_at(
-        lambda x: (x.weight_ih, x.weight_hh), m, (a["weight_ih"], a["weight_hh"])
-    )
-    if m.bias is not None:
-        m = eqx.tree_at(lambda x: x.bias, m, a["bias_ih"] + a["bias_hh"])
-    return m
-
-
-# eqx.nn.GRUCell: `bias` (3H) is added to the input gates, `bias_n` (H) to the
-# hidden part of the candidate inside the reset product, which is where PyTorch's
-# `bias_hh[2H:]` goes; PyTorch's `bias_hh[:2H]` adds to the r, z gates like `bias`.
-def _gru_export(m: Any) -> dict[str, Any]:
-    out = {"weight_ih": m.weight_ih, "weight_hh": m.weight_hh}
-    if m.bias is not None:
-        h = m.hidden_size
-        out["bias_ih"] = m.bias
-        out["bias_hh"] = jnp.concatenate(
-            [jnp.zeros((2 * h,), m.bias_n.dtype), m.bias_n]
-        )
-    return out
-
-
-def _gru_import(m: Any, a: dict[str, Any]) -> Any:
-    m = eqx.tree_at(
-        lambda x: (x.weight_ih, x.weight_hh), m, (a["weight_ih"], a["weight_hh"])
-    )
-    if m.bias is not None:
-        h = m.hidden_size
-        b_ih, b_hh = a["bias_ih"], a["bias_hh"]
-        bias = jnp.concatenate([b_ih[: 2 * h] + b_hh[: 2 * h], b_ih[2 * h :]])
-        m = eqx.tree_at(lambda x: (x.bias, x.bias_n), m, (bias, b_hh[2 * h :]))
-    return m
-
-
-def _always(m: Any) -> bool:
-    return True
-
-
-_CONV = _Layout(_always, _conv_export, _conv_import)
-_CONVT = _Layout(_always, _convt_export, _convt_import)
-_LAYOUTS: dict[type, _Layout] = {
-    eqx.nn.Conv: _CONV,
-    eqx.nn.Conv1d: _CONV,
-    eqx.nn.Conv2d: _CONV,
-    eqx.nn.Conv3d: _CONV,
-    eqx.nn.ConvTranspose: _CONVT,
-    eqx.nn.ConvTranspose1d: _CONVT,
-    eqx.nn.ConvTranspose2d: _CONVT,
-    eqx.nn.ConvTranspose3d: _CONVT,
-    eqx.nn.PReLU: _Layout(_always, _prelu_export, _prelu_import),
-    eqx.nn.MultiheadAttention: _Layout(_mha_applies, _mha_export, _mha_import),
-    eqx.nn.LSTMCell: _Layout(_always, _lstm_export, _lstm_import),
-    eqx.nn.GRUCell: _Layout(_always, _gru_export, _gru_import),
-}
-
-# Containers that PyTorch does not name: `eqx.nn.Sequential([...])` is
-# `nn.Sequential(...)` (`features.0.weight`, not `features.layers.0.weight`), and a
-# `Batched` wrapper is the layer it maps.
-_TRANSPARENT: dict[type, str] = {eqx.nn.Sequential: "layers", Batched: "layer"}
-# Not part of a state dict: Equinox's own state (`eqx.nn.StateIndex`, e.g. in
-# `eqx.nn.BatchNorm`, lives outside the model), and recordings (what PyTorch's
-# forward hooks would collect, which no state dict holds).
-_SKIPPED: tuple[type, ...] = (eqx.nn.StateIndex, RecordState)
-
-
-def _layout(x: Any) -> _Layout | None:
-    lay = _LAYOUTS.get(type(x))
-    return lay if lay is not None and lay.applies(x) else None
-
-
-def _stop(x: Any) -> bool:
-    t = type(x)
-    return (
-        is_state(x)
-        or t in _TRANSPARENT
-        or isinstance(x, _SKIPPED)
-        or _layout(x) is not None
-    )
 
 
 # ------------------------------------------------------------------ reading
@@ -308,19 +73,14 @@ def _check_live(x: Any, name: str) -> None:
             raise _stale(name)
 
 
-def _check_module(module: Any, name: str, check: Callable[[Any, str], None]) -> None:
-    for path, x in jax.tree_util.tree_flatten_with_path(module)[0]:
-        check(x, _path_name(name, path))
-
-
-def _check_concrete(x: Any, name: str) -> None:
-    _check_live(x, name)
-    if isinstance(x, jax.ShapeDtypeStruct):
-        raise StateValueError(
-            f"`{name}` has no value: the model is abstract (built with "
-            "`eqx.filter_eval_shape`, leaves are `jax.ShapeDtypeStruct`s). Load "
-            "values into it first with `es.load_state_dict(model, state_dict)`."
-        )
+def _check_module(module: Any, name: str) -> None:
+    """Check the arrays of a converted module before its conversion reads them
+    (nested conversions and cells are checked when they are reached)."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        module, is_leaf=lambda x: x is not module and _stop(x)
+    )[0]
+    for path, x in flat:
+        _check_live(x, _path_name(name, path))
 
 
 def _read_cell(cell: Buffer, name: str) -> Any:
@@ -330,34 +90,34 @@ def _read_cell(cell: Buffer, name: str) -> Any:
         raise _stale(name, e) from e
 
 
-def _host(x: Any) -> np.ndarray:
+def _host(x: Any) -> np.ndarray | jax.ShapeDtypeStruct:
+    """A copy on the host; for an abstract value, its shape and dtype."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if _is_key_dtype(x.dtype):
+            x = _key_data_shape(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
     if _is_key_dtype(x.dtype):
         x = jax.random.key_data(x)
     return np.array(x, copy=True)
 
 
-def _items(tree: Any, prefix: str):
-    """Yield `(name, leaf)` for every leaf of `tree` (flattened with `_stop`)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stop)
-    return [(_path_name(prefix, p), leaf) for p, leaf in flat], treedef
-
-
-def _export(tree: Any, prefix: str, out: dict[str, np.ndarray]) -> None:
+def _export(tree: Any, prefix: str, out: dict[str, Any]) -> None:
     items, _ = _items(tree, prefix)
     for name, leaf in items:
-        if type(leaf) in _TRANSPARENT:
-            _export(getattr(leaf, _TRANSPARENT[type(leaf)]), name, out)
-        elif isinstance(leaf, _SKIPPED):
+        if isinstance(leaf, _SKIPPED):
             continue
         elif is_state(leaf):
-            _check_concrete(leaf.value, name)
-            _put(out, name, _host(_read_cell(leaf, name)))
-        elif (lay := _layout(leaf)) is not None:
-            _check_module(leaf, name, _check_concrete)
-            for local, v in lay.export(leaf).items():
-                _put(out, _join(name, local), _host(v))
+            _check_live(leaf.value, name)
+            value = leaf.value
+            if not isinstance(value, jax.ShapeDtypeStruct):
+                value = _read_cell(leaf, name)
+            _put(out, name, _host(value))
+        elif (conv := _converter(leaf)) is not None:
+            _check_module(leaf, name)
+            for local, v in _view(leaf, conv).items():
+                _export(v, _join(name, local), out)
         elif _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            _check_concrete(leaf, name)
+            _check_live(leaf, name)
             _put(out, name, _host(leaf))
 
 
@@ -371,7 +131,7 @@ def _put(out: dict[str, Any], name: str, value: Any) -> None:
     out[name] = value
 
 
-def state_dict(model: Any) -> dict[str, np.ndarray]:
+def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
     """The parameters and state of `model` under PyTorch's names, as NumPy arrays.
 
     Names are dotted paths of the model's fields, as `torch.nn.Module.state_dict()`
@@ -387,13 +147,21 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
     `[in, out/groups, *k]`, `eqx.nn.MultiheadAttention` gives `in_proj_weight` /
     `in_proj_bias` / `out_proj.*` (when PyTorch can express it, i.e. every head
     size times the number of heads is the query size), `eqx.nn.LSTMCell` /
-    `GRUCell` give `bias_ih` / `bias_hh`, `eqx.nn.PReLU` gives `weight`. Dtypes are
+    `GRUCell` give `bias_ih` / `bias_hh`, `eqx.nn.PReLU` gives `weight`,
+    [`eqx_state.nn.SpectralNorm`][] and `eqx.nn.WeightNorm` give the names of
+    `torch.nn.utils.parametrizations` (`parametrizations.weight.original`,
+    `parametrizations.weight.0._u`, ...), [`eqx_state.nn.EMA`][] those of
+    `torch.optim.swa_utils.AveragedModel` (`n_averaged`, `module.*`). Every one of
+    these is declared with [`eqx_state.register_torch_names`][], which does the
+    same for your own modules. Dtypes are
     the model's (`num_batches_tracked` is int32; PyTorch's is int64 and
     `torch.nn.Module.load_state_dict` casts it). PRNG key cells give their key data
     (`jax.random.key_data`).
 
     The arrays are copies: later steps (which donate buffers) do not change them.
-    Works in both storage modes.
+    Works in both storage modes. For an **abstract** model (built with
+    `eqx.filter_eval_shape`, PyTorch's meta device) the values are
+    `jax.ShapeDtypeStruct`s with PyTorch's shapes: the names, without any array.
 
     **Arguments:**
 
@@ -401,7 +169,8 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
 
     **Returns:**
 
-    A `dict` from names to NumPy arrays. For PyTorch:
+    A `dict` from names to NumPy arrays (`jax.ShapeDtypeStruct`s where the model
+    is abstract). For PyTorch:
     `torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})`.
 
     **Raises:**
@@ -424,7 +193,7 @@ def state_dict(model: Any) -> dict[str, np.ndarray]:
     print(sd["conv1.bias"].shape)  # (8,)
     ```
     """
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     _export(model, "", out)
     return out
 
@@ -538,14 +307,17 @@ class _Loader:
         self.missing: list[str] = []
         self.no_value: list[str] = []  # missing, and the model has no value either
 
-    def take(self, name: str, old: Any = None) -> tuple[Any, bool]:
-        if name in self.sd:
-            self.used.add(name)
-            return self.sd[name], True
+    def take(
+        self, name: str, old: Any = None, alts: Sequence[str] = ()
+    ) -> tuple[Any, bool, str]:
+        for key in (name, *alts):
+            if key in self.sd:
+                self.used.add(key)
+                return self.sd[key], True, key
         self.missing.append(name)
         if isinstance(old, jax.ShapeDtypeStruct):
             self.no_value.append(name)
-        return None, False
+        return None, False, name
 
     def count_is_optional(self, name: str) -> bool:
         """PyTorch's rule for BatchNorm's `num_batches_tracked` (added in PyTorch
@@ -564,25 +336,24 @@ class _Loader:
         return jax.tree_util.tree_unflatten(treedef, new)
 
     def leaf(self, name: str, leaf: Any) -> Any:
-        if type(leaf) in _TRANSPARENT:
-            field = _TRANSPARENT[type(leaf)]
-            sub = self.tree(getattr(leaf, field), name)
-            return eqx.tree_at(lambda m: getattr(m, field), leaf, sub)
         if isinstance(leaf, _SKIPPED):
             return leaf
         if is_state(leaf):
             return self.cell(name, leaf)
-        lay = _layout(leaf)
-        if lay is not None:
-            return self.layout(name, leaf, lay)
+        conv = _converter(leaf)
+        if conv is not None:
+            return self.converted(name, leaf, conv)
         if _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
-            _check_live(leaf, name)
-            value, found = self.take(name, leaf)
-            if not found:
-                return leaf
-            want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            return _placed(_checked(value, name, want, _desc(leaf)), leaf)
+            return self.array(name, leaf, _desc(leaf))
         return leaf
+
+    def array(self, name: str, leaf: Any, where: str, alts: Sequence[str] = ()) -> Any:
+        _check_live(leaf, name)
+        value, found, key = self.take(name, leaf, alts)
+        if not found:
+            return leaf
+        want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        return _placed(_checked(value, key, want, where), leaf)
 
     def cell(self, name: str, cell: Buffer) -> Buffer:
         ref_mode = isinstance(cell.value, jax.Ref)
@@ -597,7 +368,7 @@ class _Loader:
                 return eqx.tree_at(lambda c: c.value, cell, jnp.zeros_like(old))
             value, found = None, False
         else:
-            value, found = self.take(name, old)
+            value, found, name = self.take(name, old)
         if found:
             is_key = _is_key_dtype(old.dtype)
             want = _key_data_shape(old) if is_key else old
@@ -605,33 +376,89 @@ class _Loader:
             new = _placed(_checked(value, name, want, _desc(cell)), old)
             if is_key:
                 new = jax.random.wrap_key_data(new, impl=_key_impl(old))
+        elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):
+            # randomness, which PyTorch keeps outside its state dicts (Dropout
+            # draws from the global generator): a stream of an abstract model
+            # that the state dict does not seed is seeded from its name
+            self.no_value.remove(name)
+            new = _seeded(name, old)
         else:
             new = old
         new_cell = eqx.tree_at(lambda c: c.value, cell, new)
         # ref mode: a new ref, so the model passed in is left as it was
         return to_refs(new_cell) if ref_mode else new_cell
 
-    def layout(self, name: str, module: Any, lay: _Layout) -> Any:
-        _check_module(module, name, _check_live)
-        expected = jax.eval_shape(lay.export, module)
-        abstract = any(
-            isinstance(x, jax.ShapeDtypeStruct)
-            for x in jax.tree_util.tree_leaves(module)
-        )
-        arrays: dict[str, Any] = {}
-        for local, want in expected.items():
+    def converted(self, name: str, module: Any, conv: _Converter) -> Any:
+        _check_module(module, name)
+        view = _view(module, conv)
+        aliases = conv.aliases(module)
+        where = f"{_desc(module)}, in PyTorch's layout"
+        used, missing = len(self.used), len(self.missing)
+        new: dict[str, Any] = {}
+        loaded: dict[str, bool] = {}
+        for local, value in view.items():
             full = _join(name, local)
-            value, found = self.take(full, want if abstract else None)
-            if found:
-                where = f"{_desc(module)}, in PyTorch's layout"
-                arrays[local] = _checked(value, full, want, where)
-        if not arrays or (abstract and len(arrays) < len(expected)):
-            return module
-        if len(arrays) < len(expected):  # partly loaded: the rest keeps its value
-            current = lay.export(module)
-            arrays = {k: arrays.get(k, current[k]) for k in expected}
-        new = lay.import_(module, arrays)
-        return jax.tree_util.tree_map(_placed, new, module)
+            if _is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
+                alts = [_join(name, a) for a in aliases.get(local, ())]
+                before = len(self.used)
+                new[local] = self.array(full, value, where, alts)
+                loaded[local] = len(self.used) > before
+            else:  # a cell, a sub-tree, None
+                new[local] = self.tree(value, full)
+        for group in conv.joint(module):
+            got = [loaded.get(k, False) for k in group]
+            if any(got) and not all(got):
+                names = [_join(name, k) for k in group]
+                given = ", ".join(f"`{n}`" for n, g in zip(names, got) if g)
+                absent = ", ".join(f"`{n}`" for n, g in zip(names, got) if not g)
+                raise StateValueError(
+                    f"The state dict has {given} but not {absent}: {_desc(module)} "
+                    "keeps these PyTorch arrays as one (e.g. their sum), so part of "
+                    "them cannot be loaded into it. Provide all of "
+                    + ", ".join(f"`{n}`" for n in names)
+                    + " (PyTorch would combine the new one with the layer's current "
+                    "other one: take that from the PyTorch model's state dict)."
+                )
+        if len(self.used) == used:  # nothing loaded: the module as it was
+            return _fresh_refs(module)
+        if _is_abstract(module) and len(self.missing) > missing:
+            return module  # partly loaded: reported as having no value
+        out = conv.from_torch(module, new)
+        flat, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_state)
+        old, old_treedef = jax.tree_util.tree_flatten(module, is_leaf=is_state)
+        if treedef == old_treedef:  # each array where the one it replaces was
+            out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
+        return to_refs(out) if _has_refs(module) else out
+
+
+def _cells(tree: Any) -> list[Buffer]:
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def _has_refs(tree: Any) -> bool:
+    return any(isinstance(c.value, jax.Ref) for c in _cells(tree))
+
+
+def _fresh_refs(tree: Any) -> Any:
+    """`tree` with a new ref (holding the same value) in each ref-mode cell."""
+
+    def one(x: Any) -> Any:
+        if is_state(x) and isinstance(x.value, jax.Ref):
+            return to_refs(eqx.tree_at(lambda c: c.value, x, x[...]))
+        return x
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_state)
+
+
+def _seeded(name: str, old: jax.ShapeDtypeStruct) -> jax.Array:
+    """Key data for an `RngState` cell, from `jax.random.key(0)` and the cell's
+    name (a fixed seed, like `torch.manual_seed(0)`; different per stream)."""
+    key = jax.random.fold_in(jax.random.key(0), zlib.crc32(name.encode()))
+    if _is_key_dtype(old.dtype):
+        data = _key_data_shape(old)
+        bits = jax.random.bits(key, data.shape, data.dtype)
+        return jax.random.wrap_key_data(bits, impl=_key_impl(old))
+    return jax.random.bits(key, old.shape, old.dtype)
 
 
 def _mismatch_message(model: Any, missing: list[str], unexpected: list[str]) -> str:
@@ -691,8 +518,8 @@ def load_state_dict(
 
     Names are matched as [`eqx_state.state_dict`][] makes them, and arrays are
     converted from PyTorch's layout where Equinox's differs (convolution biases,
-    transposed-convolution kernels, packed attention projections, LSTM/GRU biases;
-    see there). State cells keep their kind: the loaded value is written into the
+    transposed-convolution kernels, packed attention projections, LSTM/GRU biases,
+    spectral and weight normalisation, averaged models; see there). State cells keep their kind: the loaded value is written into the
     cell (`bn1.running_mean` stays an [`eqx_state.BatchStat`][]). Values may be
     `torch.Tensor`s, NumPy arrays or JAX arrays; each is copied.
 
@@ -706,10 +533,25 @@ def load_state_dict(
     bfloat16 model's BatchNorm statistics, kept in float32). A float64 tensor is
     not loaded silently into a float32 parameter.
 
+    Older PyTorch names are accepted where a conversion declares them: the
+    `weight_orig` / `weight_u` / `weight_v` of `torch.nn.utils.spectral_norm` and the
+    `weight_g` / `weight_v` of `torch.nn.utils.weight_norm`. PyTorch arrays that
+    Equinox keeps as one (an LSTM/GRU cell's `bias_ih` and `bias_hh`, summed) load
+    together or not at all: a state dict with only one of them is refused, naming
+    both (PyTorch would add the new half to the old one, which Equinox no longer
+    has).
+
     The model may be **abstract**, built without initialising anything (PyTorch's
     meta device): `model = eqx.filter_eval_shape(Net, ..., key=key)` gives
     `jax.ShapeDtypeStruct` leaves, and every one of them then comes from the state
-    dict (an error names any that would be left without a value).
+    dict (an error names any that would be left without a value). The exception is
+    randomness, which PyTorch keeps outside its state dicts: an
+    [`eqx_state.RngState`][] cell (an `es.nn.Dropout`'s stream) missing from the
+    state dict is seeded from `jax.random.key(0)` and its name (different for every
+    stream, the same in every run) and reported in `missing_keys`, so
+    `strict=False` loads a PyTorch model into an abstract port that has `Dropout`s.
+    To seed it otherwise, put its key data in the state dict
+    (`sd["drop.rng.key"] = jax.random.key_data(jax.random.key(seed))`).
 
     This is functional, like everything in Equinox: the model passed in is left
     unchanged. In value mode the returned model holds new arrays; in **ref mode**

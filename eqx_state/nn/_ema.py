@@ -38,11 +38,23 @@ class EMA(eqx.Module):
     schedule (`dynamic_decay`: $\min(d, \frac{1 + n}{10 + n})$ with $n = t - 1$ the
     number of earlier updates). One difference from Haiku: without zero-debiasing
     the average starts at the parameters the `EMA` was built from, not at zero
-    (which would pull averaged weights towards zero). PyTorch's
-    `AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))` copies the
-    parameters on its first `update_parameters` and averages afterwards: the same
-    numbers as `warmup_length=1`, or as the default when the first update sees the
-    parameters the `EMA` was built from.
+    (which would pull averaged weights towards zero). The update is computed as
+    `torch.lerp` computes it, $h + (1 - d_t)(p - h)$.
+
+    **PyTorch.** `EMA(model, decay, warmup_length=1)` is
+    `torch.optim.swa_utils.AveragedModel(model,
+    multi_avg_fn=get_ema_multi_avg_fn(decay))`: PyTorch copies the parameters on
+    its first `update_parameters` (the warm-up of one) and then averages with
+    `torch._foreach_lerp_(avg, p, 1 - decay)`. (Without the warm-up the first
+    update averages with the parameters the `EMA` was built from; the same numbers
+    when the first update sees those parameters.) `AveragedModel`'s default,
+    without `multi_avg_fn`, is the equal-weight average of stochastic weight
+    averaging, $h + (p - h) / (n + 1)$, which `EMA` does not compute. The state
+    dict is PyTorch's: `n_averaged` (the update count) and the averaged model
+    under `module.` (named by the rules of the model the `EMA` was built from), so
+    [`eqx_state.load_state_dict`][] continues a PyTorch run where it stopped. With
+    `zero_debias=True`, `module.*` is the debiased average (the average PyTorch
+    would hold).
 
     Read the result with `averaged(model)` (the model with averaged parameters,
     for evaluation: the functional form of PyTorch's swap) or `average` (just the
@@ -256,13 +268,14 @@ class EMA(eqx.Module):
         for cell, x in zip(self.hidden, leaves):
             h = cell[...]
             dtype = h.dtype  # the accumulation dtype
-            d = jnp.asarray(self.decay, dtype)
             if self.dynamic_decay:
                 n = (t - 1).astype(dtype)
-                d = jnp.minimum(d, (1 + n) / (10 + n))
-            d = jnp.where(t <= 0, jnp.zeros((), dtype), d)
+                d = jnp.minimum(jnp.asarray(self.decay, dtype), (1 + n) / (10 + n))
+                w = 1 - d
+            else:  # `1 - decay` in Python, as PyTorch's EMA computes it
+                w = jnp.asarray(1.0 - self.decay, dtype)
             x = jax.lax.stop_gradient(x).astype(dtype)
-            cell[...] = d * h + (1 - d) * x
+            cell[...] = jnp.where(t <= 0, x, _lerp(h, x, w))
 
     def averaged(self, model: _Model) -> _Model:
         """`model` with its parameters replaced by their averages (state cells and
@@ -306,6 +319,11 @@ def _same_count_hint(model: Any, same_count: bool) -> str:
         "differs (a state cell, or a `None` field such as a KV cache added or "
         "removed with `es.nn.with_kv_cache` / `es.nn.without_kv_cache`)."
     )
+
+
+def _lerp(h: Array, x: Array, w: Array) -> Array:
+    """`h + w (x - h)`, computed as `torch.lerp` does (from the nearer end)."""
+    return jnp.where(w < 0.5, h + w * (x - h), x - (x - h) * (1 - w))
 
 
 def _accumulation_dtype(param_dtype: Any, requested: Any) -> Any:

@@ -23,10 +23,16 @@ def _normalize(x: Array, eps: float) -> Array:
     return x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x))), eps)
 
 
-def _power_method(mat: Array, u: Array, v: Array, n: int, eps: float):
+def _power_method(
+    mat: Array, u: Array, v: Array, n: int, eps: float, v_first: bool = False
+):
     for _ in range(n):
-        u = _normalize(mat @ v, eps)
-        v = _normalize(mat.T @ u, eps)
+        if v_first:  # torch.nn.utils.spectral_norm (the older API)
+            v = _normalize(mat.T @ u, eps)
+            u = _normalize(mat @ v, eps)
+        else:  # torch.nn.utils.parametrizations.spectral_norm
+            u = _normalize(mat @ v, eps)
+            v = _normalize(mat.T @ u, eps)
     return u, v
 
 
@@ -89,6 +95,11 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         `[in, out / groups, *kernel]` and normalised along its axis 1.
     - `input_ndim`: the rank of one input of `layer`; see above. Needed for layers
         other than `eqx.nn.Linear` / `Conv` / `ConvTranspose`.
+    - `v_first`: update $v$ before $u$ in each power-iteration step, as the older
+        `torch.nn.utils.spectral_norm` does (the newer
+        `torch.nn.utils.parametrizations.spectral_norm`, the default here, updates
+        $u$ first). Only training differs: set it when continuing to train a model
+        ported from the older API.
     - `inference`: start in evaluation mode.
     - `key`: a `jax.random.key` for the initial $u, v$ (random, so the cells have
         no reset fill: `es.reset` leaves them alone).
@@ -116,6 +127,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     eps: float = eqx.field(static=True)
     dim: int = eqx.field(static=True)
     transpose_groups: int = eqx.field(static=True)
+    v_first: bool = eqx.field(static=True)
     inference: bool
 
     def __init__(
@@ -127,6 +139,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         eps: float = 1e-12,
         dim: int = 0,
         input_ndim: int | None = None,
+        v_first: bool = False,
         inference: bool = False,
         key: PRNGKeyArray,
     ):
@@ -174,6 +187,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         self.dim = dim % weight.ndim
         grouped = isinstance(layer, eqx.nn.ConvTranspose) and self.dim == 0
         self.transpose_groups = int(getattr(layer, "groups", 1)) if grouped else 1
+        self.v_first = bool(v_first)
         self.inference = inference
         u, v = _initial_uv(self._matrix(weight), key, eps)
         self.u = PowerIterationState(u)
@@ -253,7 +267,12 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         u, v = self.u[...], self.v[...]
         if not inference_flag(self):
             u, v = _power_method(
-                jax.lax.stop_gradient(mat), u, v, self.n_power_iterations, self.eps
+                jax.lax.stop_gradient(mat),
+                u,
+                v,
+                self.n_power_iterations,
+                self.eps,
+                self.v_first,
             )
             self.u[...] = u
             self.v[...] = v

@@ -18,7 +18,8 @@ TOP = {
     "inference_mode", "recorded",
     # checkpoints and PyTorch
     "save", "load", "to_orbax", "from_orbax", "orbax_target", "state_dict",
-    "load_state_dict", "IncompatibleKeys", "serialise_filter_spec",
+    "load_state_dict", "IncompatibleKeys", "register_torch_names",
+    "serialise_filter_spec",
     "deserialise_filter_spec",
     # several devices and processes
     "place", "global_batch", "process_slice",

@@ -1,0 +1,601 @@
+"""How each module is named in a PyTorch state dict: one registry of conversions
+(`register_torch_names`), which declares every built-in one (convolutions,
+attention, LSTM/GRU cells, containers, spectral and weight normalisation, averaged
+models) and any user module's, and the naming walk that `state_dict`,
+`load_state_dict` and `recorded` share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._buffer import Buffer, RecordState, is_state
+from ._errors import StateTypeError
+from .nn._batched import Batched
+from .nn._ema import EMA
+from .nn._spectral_norm import SpectralNorm
+
+
+# --------------------------------------------------------------------------- names
+
+
+def _join(prefix: str, name: str) -> str:
+    if not prefix:
+        return name
+    if not name:
+        return prefix
+    return f"{prefix}.{name}"
+
+
+def _key_name(k: Any) -> str:
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)  # pragma: no cover - user-defined key types
+
+
+def _path_name(prefix: str, path: tuple[Any, ...]) -> str:
+    name = prefix
+    for k in path:
+        name = _join(name, _key_name(k))
+    return name
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+# --------------------------------------------------------- PyTorch conversions
+#
+# One mechanism names every module: a *converter*, registered per type with
+# `register_torch_names`, says how a module is stored in PyTorch when that
+# differs from its fields. `to_torch(module)` gives a dict, in PyTorch's
+# registration order, from local PyTorch names to arrays in PyTorch's layout, state
+# cells, or sub-trees (named further by the same rules, so wrapped layers keep
+# their own conversion); `from_torch(module, view)` takes such a dict with the
+# loaded values and returns the module. Modules without a converter are named
+# field by field.
+
+
+class _Converter(NamedTuple):
+    to_torch: Callable[[Any], Mapping[str, Any]]
+    from_torch: Callable[[Any, dict[str, Any]], Any]
+    applies: Callable[[Any], bool]
+    joint: Callable[[Any], Sequence[Sequence[str]]]
+    aliases: Callable[[Any], Mapping[str, Sequence[str]]]
+
+
+_CONVERTERS: dict[type, _Converter] = {}
+
+
+def _per_module(x: Any, default: Any) -> Callable[[Any], Any]:
+    if x is None:
+        return lambda m: default
+    if callable(x):
+        return x
+    return lambda m: x
+
+
+def register_torch_names(
+    cls: type,
+    to_torch: Callable[[Any], Mapping[str, Any]],
+    from_torch: Callable[[Any, dict[str, Any]], Any],
+    *,
+    applies: Callable[[Any], bool] | None = None,
+    joint: Sequence[Sequence[str]] | Callable[[Any], Sequence[Sequence[str]]] = (),
+    aliases: Mapping[str, Sequence[str]]
+    | Callable[[Any], Mapping[str, Sequence[str]]]
+    | None = None,
+) -> None:
+    """Declare how modules of type `cls` are named and laid out in a PyTorch state
+    dict, for both [`eqx_state.state_dict`][] and [`eqx_state.load_state_dict`][].
+
+    Every built-in conversion is declared this way (convolutions, attention,
+    LSTM/GRU cells, `eqx.nn.Sequential`, [`eqx_state.nn.SpectralNorm`][],
+    [`eqx_state.nn.EMA`][], ...); a module type without a declaration is named
+    field by field.
+
+    The rules:
+
+    - `to_torch(module)` returns a `dict` from **local** PyTorch names (relative to
+        the module, dotted if need be: `"out_proj.weight"`) to values, **in the order
+        PyTorch registers them** (a module's own parameters, then its buffers, then
+        its submodules): that order is the order of `es.state_dict` and of
+        `missing_keys`. A value is an array in PyTorch's layout, a state cell, or any
+        sub-tree (a layer, a list of layers), which is named under its key by the
+        same rules, its own conversion included; `None` is skipped. Use `jnp`
+        operations only: for an abstract model (`eqx.filter_eval_shape`) it runs
+        under `eqx.filter_eval_shape` to give the shapes.
+    - `from_torch(module, view)` gets a dict with the same keys and the loaded
+        values (arrays in PyTorch's layout, loaded cells, loaded sub-trees) and
+        returns the module holding them. Keys that a `strict=False` load did not
+        provide hold the module's current values, as `to_torch` gave them, so
+        `from_torch(m, to_torch(m))` must give `m` back.
+    - Shapes and dtypes are checked against `to_torch`'s values before
+        `from_torch` sees them.
+
+    **Arguments:**
+
+    - `cls`: the module type (exactly this type; subclasses are not covered, since
+        they may have more fields).
+    - `to_torch`, `from_torch`: the two directions, as above.
+    - `applies`: optional `module -> bool`; where it is `False` the module is named
+        field by field (e.g. an attention layer that PyTorch cannot express).
+    - `joint`: groups of local names that can only be loaded together (or a
+        `module -> groups` function), e.g. `[("bias_ih", "bias_hh")]` when two
+        PyTorch arrays are summed into one Equinox array: a load that provides only
+        part of a group is refused, naming the group.
+    - `aliases`: older local names accepted on loading, `{name: [old, ...]}` (or a
+        `module -> dict` function), e.g. `{"parametrizations.weight.original":
+        ["weight_orig"]}`. Exporting always uses the first name.
+
+    **Returns:**
+
+    Nothing. A second registration for `cls` replaces the first.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    import eqx_state as es
+
+    class Scale(eqx.Module):  # PyTorch: a parameter `log_scale` of shape [1]
+        scale: jax.Array
+
+    es.register_torch_names(
+        Scale,
+        lambda m: {"log_scale": jnp.log(m.scale)[None]},
+        lambda m, a: Scale(jnp.exp(a["log_scale"][0])),
+    )
+    sd = es.state_dict({"head": Scale(jnp.asarray(2.0))})
+    print(list(sd), sd["head.log_scale"].shape)  # ['head.log_scale'] (1,)
+    ```
+    """
+    if not isinstance(cls, type):
+        raise StateTypeError(
+            f"register_torch_names expects a class, got {type(cls).__name__}."
+        )
+    if not (callable(to_torch) and callable(from_torch)):
+        raise StateTypeError(
+            f"register_torch_names({cls.__name__}, to_torch, from_torch): both "
+            "directions must be functions, `to_torch(module) -> dict` and "
+            "`from_torch(module, dict) -> module`."
+        )
+    _CONVERTERS[cls] = _Converter(
+        to_torch,
+        from_torch,
+        applies if applies is not None else (lambda m: True),
+        _per_module(joint, ()),
+        _per_module(aliases, {}),
+    )
+
+
+def _converter(x: Any) -> _Converter | None:
+    conv = _CONVERTERS.get(type(x))
+    return conv if conv is not None and conv.applies(x) else None
+
+
+def _is_abstract(tree: Any) -> bool:
+    return any(
+        isinstance(x, jax.ShapeDtypeStruct)
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state)
+        for x in ([x.value] if is_state(x) else [x])
+    )
+
+
+def _view(module: Any, conv: _Converter) -> dict[str, Any]:
+    """`conv.to_torch(module)`; for an abstract module, its shapes (in order)."""
+    if not _is_abstract(module):
+        return dict(conv.to_torch(module))
+    order: list[list[str]] = []
+
+    def run(m: Any) -> dict[str, Any]:
+        out = dict(conv.to_torch(m))
+        order.append(list(out))
+        return out
+
+    shapes = eqx.filter_eval_shape(run, module)
+    return {k: shapes[k] for k in order[0]}
+
+
+def _module_view(module: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]], Any]]:
+    """Any module's local PyTorch names: its converter's view, or its fields. With
+    the function that rebuilds it from such a dict (for wrappers such as
+    `SpectralNorm`, which rename one entry of the layer they wrap)."""
+    conv = _converter(module)
+    if conv is not None:
+        return _view(module, conv), lambda a: conv.from_torch(module, a)
+    items, treedef = _items(module, "")
+    view = dict(items)
+    return view, lambda a: jax.tree_util.tree_unflatten(treedef, [a[k] for k in view])
+
+
+def _spatial(w: Any) -> tuple[int, ...]:
+    return tuple(range(2, w.ndim))
+
+
+def _bias_view(m: Any) -> dict[str, Any]:
+    return {} if m.bias is None else {"bias": m.bias.reshape(-1)}
+
+
+def _with_bias(m: Any, a: dict[str, Any]) -> Any:
+    if m.bias is None:
+        return m
+    return eqx.tree_at(lambda x: x.bias, m, a["bias"].reshape(m.bias.shape))
+
+
+# Convolutions: bias [C] in PyTorch, [C, 1, ...] in Equinox.
+def _conv_to_torch(m: Any) -> dict[str, Any]:
+    return {"weight": m.weight, **_bias_view(m)}
+
+
+def _conv_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    return _with_bias(eqx.tree_at(lambda x: x.weight, m, a["weight"]), a)
+
+
+# Equinox's ConvTranspose weight is the forward convolution's kernel
+# `[out, in/groups, *k]`, flipped in space; PyTorch's is `[in, out/groups, *k]`.
+def _convt_to_torch(m: Any) -> dict[str, Any]:
+    w = jnp.flip(m.weight, _spatial(m.weight))
+    g, k = m.groups, w.shape[2:]
+    out_c, in_g = w.shape[0], w.shape[1]
+    w = w.reshape((g, out_c // g, in_g) + k).swapaxes(1, 2)
+    return {"weight": w.reshape((g * in_g, out_c // g) + k), **_bias_view(m)}
+
+
+def _convt_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    t = a["weight"]
+    g, k = m.groups, t.shape[2:]
+    in_c, out_g = t.shape[0], t.shape[1]
+    w = t.reshape((g, in_c // g, out_g) + k).swapaxes(1, 2)
+    w = w.reshape((g * out_g, in_c // g) + k)
+    return _with_bias(eqx.tree_at(lambda x: x.weight, m, jnp.flip(w, _spatial(w))), a)
+
+
+def _prelu_to_torch(m: Any) -> dict[str, Any]:
+    return {"weight": m.negative_slope.reshape(-1)}  # PyTorch: [num_parameters]
+
+
+def _prelu_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    shape = m.negative_slope.shape
+    return eqx.tree_at(lambda x: x.negative_slope, m, a["weight"].reshape(shape))
+
+
+# eqx.nn.MultiheadAttention <-> torch.nn.MultiheadAttention(E, H, kdim, vdim,
+# bias=...): PyTorch packs the three input projections (`in_proj_weight` when
+# kdim == vdim == E, else `q/k/v_proj_weight`) and their biases (`in_proj_bias`),
+# and names the output projection `out_proj`.
+def _mha_applies(m: Any) -> bool:
+    e = m.query_size
+    in_bias = (m.use_query_bias, m.use_key_bias, m.use_value_bias)
+    return (
+        m.num_heads * m.qk_size == e
+        and m.num_heads * m.vo_size == e
+        and m.output_size == e
+        and len(set(in_bias)) == 1
+    )
+
+
+def _mha_packed(m: Any) -> bool:
+    return m.key_size == m.value_size == m.query_size
+
+
+def _mha_to_torch(m: Any) -> dict[str, Any]:
+    projs = (m.query_proj, m.key_proj, m.value_proj)
+    out: dict[str, Any] = {}
+    if _mha_packed(m):
+        out["in_proj_weight"] = jnp.concatenate([p.weight for p in projs])
+    else:
+        for n, p in zip("qkv", projs):
+            out[f"{n}_proj_weight"] = p.weight
+    if m.use_query_bias:
+        out["in_proj_bias"] = jnp.concatenate([p.bias for p in projs])
+    out["out_proj.weight"] = m.output_proj.weight
+    if m.use_output_bias:
+        out["out_proj.bias"] = m.output_proj.bias
+    return out
+
+
+def _mha_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    e = m.query_size
+    if _mha_packed(m):
+        ws = [a["in_proj_weight"][i * e : (i + 1) * e] for i in range(3)]
+    else:
+        ws = [a[f"{n}_proj_weight"] for n in "qkv"]
+    m = eqx.tree_at(
+        lambda x: (x.query_proj.weight, x.key_proj.weight, x.value_proj.weight), m, ws
+    )
+    if m.use_query_bias:
+        bs = [a["in_proj_bias"][i * e : (i + 1) * e] for i in range(3)]
+        m = eqx.tree_at(
+            lambda x: (x.query_proj.bias, x.key_proj.bias, x.value_proj.bias), m, bs
+        )
+    m = eqx.tree_at(lambda x: x.output_proj.weight, m, a["out_proj.weight"])
+    if m.use_output_bias:
+        m = eqx.tree_at(lambda x: x.output_proj.bias, m, a["out_proj.bias"])
+    return m
+
+
+# eqx.nn.LSTMCell keeps one bias, PyTorch two (`bias_ih + bias_hh`); the gate order
+# (i, f, g, o) is the same. Export puts the whole bias in `bias_ih`; loading needs
+# both halves (`joint`): one half alone cannot be added to the other.
+def _lstm_to_torch(m: Any) -> dict[str, Any]:
+    out = {"weight_ih": m.weight_ih, "weight_hh": m.weight_hh}
+    if m.bias is not None:
+        out["bias_ih"] = m.bias
+        out["bias_hh"] = jnp.zeros_like(m.bias)
+    return out
+
+
+def _lstm_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    m = eqx.tree_at(
+        lambda x: (x.weight_ih, x.weight_hh), m, (a["weight_ih"], a["weight_hh"])
+    )
+    if m.bias is not None:
+        m = eqx.tree_at(lambda x: x.bias, m, a["bias_ih"] + a["bias_hh"])
+    return m
+
+
+# eqx.nn.GRUCell: `bias` (3H) is added to the input gates, `bias_n` (H) to the
+# hidden part of the candidate inside the reset product, which is where PyTorch's
+# `bias_hh[2H:]` goes; PyTorch's `bias_hh[:2H]` adds to the r, z gates like `bias`.
+def _gru_to_torch(m: Any) -> dict[str, Any]:
+    out = {"weight_ih": m.weight_ih, "weight_hh": m.weight_hh}
+    if m.bias is not None:
+        h = m.hidden_size
+        out["bias_ih"] = m.bias
+        out["bias_hh"] = jnp.concatenate(
+            [jnp.zeros((2 * h,), m.bias_n.dtype), m.bias_n]
+        )
+    return out
+
+
+def _gru_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    m = eqx.tree_at(
+        lambda x: (x.weight_ih, x.weight_hh), m, (a["weight_ih"], a["weight_hh"])
+    )
+    if m.bias is not None:
+        h = m.hidden_size
+        b_ih, b_hh = a["bias_ih"], a["bias_hh"]
+        bias = jnp.concatenate([b_ih[: 2 * h] + b_hh[: 2 * h], b_ih[2 * h :]])
+        m = eqx.tree_at(lambda x: (x.bias, x.bias_n), m, (bias, b_hh[2 * h :]))
+    return m
+
+
+def _rnn_joint(m: Any) -> list[tuple[str, str]]:
+    return [] if m.bias is None else [("bias_ih", "bias_hh")]
+
+
+# Containers that PyTorch does not name: `eqx.nn.Sequential([...])` is
+# `nn.Sequential(...)` (`features.0.weight`, not `features.layers.0.weight`), and a
+# `Batched` wrapper is the layer it maps (the empty local name).
+def _sequential_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    layers = type(m.layers)(a[str(i)] for i in range(len(m.layers)))
+    return eqx.tree_at(lambda s: s.layers, m, layers)
+
+
+# Weight reparametrisations, as `torch.nn.utils.parametrizations` stores them: the
+# wrapped layer's other entries, then `parametrizations.<weight>.original` (or
+# `original0`, `original1`) and the parametrisation's buffers (`...0._u`).
+def _reparam_view(layer: Any, weight: str, new: dict[str, Any]) -> dict[str, Any]:
+    inner, _ = _module_view(layer)
+    return {**{k: v for k, v in inner.items() if k != weight}, **new}
+
+
+def _reparam_layer(layer: Any, weight: str, a: dict[str, Any], w: Any) -> Any:
+    inner, rebuild = _module_view(layer)
+    return rebuild({k: (w if k == weight else a[k]) for k in inner})
+
+
+def _cell_with(cell: Buffer, value: Any) -> Buffer:
+    return eqx.tree_at(lambda c: c.value, cell, value.astype(cell.dtype))
+
+
+def _sn_v(sn: Any, v: Any) -> Any:
+    """A ConvTranspose's v, PyTorch's `(in, *k)` flattened, is Equinox's flipped in
+    space (as the kernels are); its own inverse. Other layers: unchanged."""
+    if not (isinstance(sn.layer, eqx.nn.ConvTranspose) and sn.dim == 0):
+        return v
+    k = sn.weight.shape[2:]
+    shaped = v.reshape((-1,) + k)
+    return jnp.flip(shaped, tuple(range(1, shaped.ndim))).reshape(v.shape)
+
+
+def _sn_names(sn: Any) -> tuple[str, str, str]:
+    p = f"parametrizations.{sn.weight_name}"
+    return f"{p}.original", f"{p}.0._u", f"{p}.0._v"
+
+
+def _sn_to_torch(sn: Any) -> dict[str, Any]:
+    w, u, v = _sn_names(sn)
+    inner, _ = _module_view(sn.layer)
+    new = {w: inner[sn.weight_name]}
+    if is_state(sn.u):  # not in `es.params(model)` (e.g. an EMA's average)
+        new.update({u: sn.u[...], v: _sn_v(sn, sn.v[...])})
+    return _reparam_view(sn.layer, sn.weight_name, new)
+
+
+def _sn_from_torch(sn: Any, a: dict[str, Any]) -> Any:
+    w, u, v = _sn_names(sn)
+    sn = eqx.tree_at(
+        lambda s: s.layer, sn, _reparam_layer(sn.layer, sn.weight_name, a, a[w])
+    )
+    if not is_state(sn.u):
+        return sn
+    new = (_cell_with(sn.u, a[u]), _cell_with(sn.v, _sn_v(sn, a[v])))
+    return eqx.tree_at(lambda s: (s.u, s.v), sn, new)
+
+
+def _sn_aliases(sn: Any) -> dict[str, list[str]]:
+    # `torch.nn.utils.spectral_norm` (the older API): weight_orig, weight_u, weight_v
+    n = sn.weight_name
+    w, u, v = _sn_names(sn)
+    return {w: [f"{n}_orig"], u: [f"{n}_u"], v: [f"{n}_v"]}
+
+
+# eqx.nn.WeightNorm: `g` has PyTorch's shape ([out, 1, ...]) for `axis=0`, which is
+# PyTorch's default `dim=0` for every layer but a transposed convolution.
+def _wn_applies(m: Any) -> bool:
+    return m.axis == 0 and not isinstance(m.layer, eqx.nn.ConvTranspose)
+
+
+def _wn_to_torch(m: Any) -> dict[str, Any]:
+    inner, _ = _module_view(m.layer)
+    p = f"parametrizations.{m.weight_name}"
+    return _reparam_view(
+        m.layer,
+        m.weight_name,
+        {f"{p}.original0": m.g, f"{p}.original1": inner[m.weight_name]},
+    )
+
+
+def _wn_from_torch(m: Any, a: dict[str, Any]) -> Any:
+    p = f"parametrizations.{m.weight_name}"
+    layer = _reparam_layer(m.layer, m.weight_name, a, a[f"{p}.original1"])
+    return eqx.tree_at(lambda x: (x.layer, x.g), m, (layer, a[f"{p}.original0"]))
+
+
+def _wn_aliases(m: Any) -> dict[str, list[str]]:
+    # `torch.nn.utils.weight_norm` (the older API): weight_g, weight_v
+    n, p = m.weight_name, f"parametrizations.{m.weight_name}"
+    return {f"{p}.original0": [f"{n}_g"], f"{p}.original1": [f"{n}_v"]}
+
+
+# es.nn.EMA <-> torch.optim.swa_utils.AveragedModel: `n_averaged` (its own buffer,
+# first), then the averaged model as `module.*`, named by the rules of the model
+# the EMA was built from. With `zero_debias` PyTorch's `module` is the debiased
+# average, and loading multiplies the correction back.
+def _ema_correction(ema: Any, count: Any, dtype: Any) -> Any:
+    d = jnp.asarray(ema.decay, dtype)
+    return 1 - jnp.power(d, count.astype(dtype))
+
+
+def _ema_to_torch(ema: Any) -> dict[str, Any]:
+    count = ema.count[...]
+    hidden = [cell[...] for cell in ema.hidden]
+    if ema.zero_debias:
+        hidden = [
+            jnp.where(count > 0, h / jnp.where(count > 0, c, 1), h)
+            for h in hidden
+            for c in [_ema_correction(ema, count, h.dtype)]
+        ]
+    module = jax.tree_util.tree_unflatten(ema.treedef, hidden)
+    return {"n_averaged": count, "module": module}
+
+
+def _ema_from_torch(ema: Any, a: dict[str, Any]) -> Any:
+    count = a["n_averaged"]
+    leaves = jax.tree_util.tree_leaves(a["module"])
+    if ema.zero_debias:
+        leaves = [
+            jnp.where(count > 0, x * _ema_correction(ema, count, x.dtype), x)
+            for x in leaves
+        ]
+    hidden = tuple(_cell_with(c, x) for c, x in zip(ema.hidden, leaves))
+    return eqx.tree_at(
+        lambda e: (e.hidden, e.count), ema, (hidden, _cell_with(ema.count, count))
+    )
+
+
+for _cls in (eqx.nn.Conv, eqx.nn.Conv1d, eqx.nn.Conv2d, eqx.nn.Conv3d):
+    register_torch_names(_cls, _conv_to_torch, _conv_from_torch)
+for _cls in (
+    eqx.nn.ConvTranspose,
+    eqx.nn.ConvTranspose1d,
+    eqx.nn.ConvTranspose2d,
+    eqx.nn.ConvTranspose3d,
+):
+    register_torch_names(_cls, _convt_to_torch, _convt_from_torch)
+register_torch_names(eqx.nn.PReLU, _prelu_to_torch, _prelu_from_torch)
+register_torch_names(
+    eqx.nn.MultiheadAttention, _mha_to_torch, _mha_from_torch, applies=_mha_applies
+)
+register_torch_names(
+    eqx.nn.LSTMCell, _lstm_to_torch, _lstm_from_torch, joint=_rnn_joint
+)
+register_torch_names(eqx.nn.GRUCell, _gru_to_torch, _gru_from_torch, joint=_rnn_joint)
+register_torch_names(
+    eqx.nn.Sequential,
+    lambda m: {str(i): layer for i, layer in enumerate(m.layers)},
+    _sequential_from_torch,
+)
+register_torch_names(
+    Batched,
+    lambda m: {"": m.layer},
+    lambda m, a: eqx.tree_at(lambda b: b.layer, m, a[""]),
+)
+register_torch_names(SpectralNorm, _sn_to_torch, _sn_from_torch, aliases=_sn_aliases)
+register_torch_names(
+    eqx.nn.WeightNorm,
+    _wn_to_torch,
+    _wn_from_torch,
+    applies=_wn_applies,
+    aliases=_wn_aliases,
+)
+register_torch_names(EMA, _ema_to_torch, _ema_from_torch)
+
+# Not part of a state dict: Equinox's own state (`eqx.nn.StateIndex`, e.g. in
+# `eqx.nn.BatchNorm`, lives outside the model), and recordings (what PyTorch's
+# forward hooks would collect, which no state dict holds).
+_SKIPPED: tuple[type, ...] = (eqx.nn.StateIndex, RecordState)
+
+
+def _stop(x: Any) -> bool:
+    return is_state(x) or isinstance(x, _SKIPPED) or _converter(x) is not None
+
+
+def _items(tree: Any, prefix: str) -> tuple[list[tuple[str, Any]], Any]:
+    """`(name, leaf)` for every leaf of `tree` (flattened with `_stop`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stop)
+    return [(_path_name(prefix, p), leaf) for p, leaf in flat], treedef
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    raise KeyError(key)  # FlattenedIndexKey: no object to follow
+
+
+def torch_path_name(model: Any, path: Sequence[Any]) -> str:
+    """The state-dict name of the part of `model` at `path` (a JAX key path, as
+    `jax.tree_util.tree_flatten_with_path` gives it), by the rules of `state_dict`:
+    `eqx.nn.Sequential` members are `0`, `1`, ..., a `Batched` wrapper is the layer
+    it maps, and every registered conversion names what it holds. A part that a
+    conversion does not hold as such (e.g. an array it converts) keeps its field
+    names below the conversion."""
+    name, node, i = "", model, 0
+    while i < len(path):
+        conv = _converter(node)
+        if conv is not None:
+            view = _view(node, conv)
+            obj, j, found = node, i, None
+            try:
+                while j < len(path) and found is None:
+                    obj, j = _child(obj, path[j]), j + 1
+                    found = next((k for k, v in view.items() if v is obj), None)
+            except (KeyError, AttributeError, IndexError, TypeError):
+                found = None
+            if found is not None:
+                name, node, i = _join(name, found), obj, j
+                continue
+        name = _join(name, _key_name(path[i]))
+        try:
+            node = _child(node, path[i])
+        except (KeyError, AttributeError, IndexError, TypeError):
+            node = None
+        i += 1
+    return name
