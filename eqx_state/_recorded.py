@@ -13,7 +13,8 @@ from jaxtyping import Array
 from ._compat import Tracer
 
 # one naming rule for every persistence path: PyTorch's, as `es.state_dict`
-from ._state_dict import _TRANSPARENT, _join, _key_name, _put
+from ._state_dict import _put
+from ._torch_names import _join, torch_path_name
 from .nn._record import Recorder
 
 
@@ -34,16 +35,20 @@ def _child(node: Any, key: Any) -> Any:
 
 
 def _names(model: Any, path: tuple) -> tuple[list[str], list[bool]]:
-    """The recorder at `path` in `model`, named as `es.state_dict` names it: one
-    name per key of the path (`""` for the field of a container that PyTorch does
-    not name: `eqx.nn.Sequential`'s `layers`, `es.nn.Batched`'s `layer`), and, per
-    key, whether the node the key leads out of is an `eqx.Module`."""
+    """The recorder at `path` in `model`, named as `es.state_dict` names it
+    (`torch_path_name`, the one naming rule): one name per key of the path (`""`
+    for a key that PyTorch does not name: `eqx.nn.Sequential`'s `layers`,
+    `es.nn.Batched`'s `layer`), and, per key, whether the node the key leads out
+    of is an `eqx.Module`."""
     names, modules = [], []
-    node = model
-    for key in path:
-        field = _TRANSPARENT.get(type(node))
-        hidden = isinstance(key, jax.tree_util.GetAttrKey) and key.name == field
-        names.append("" if hidden else _key_name(key))
+    node, before, final = model, "", torch_path_name(model, path)
+    for k, key in enumerate(path):
+        here = torch_path_name(model, path[: k + 1])
+        if here != before and (final == here or final.startswith(here + ".")):
+            names.append(here[len(before) :].lstrip("."))
+            before = here
+        else:  # a key the final name does not show
+            names.append("")
         modules.append(isinstance(node, eqx.Module))
         node = _child(node, key)
     return names, modules
