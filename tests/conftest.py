@@ -75,12 +75,19 @@ _raises = pytest.raises
 
 
 def _raised_by_the_library(e: BaseException) -> bool:
+    """Whether eqx_state's own code made `e`: a built-in exception type raised by
+    a `raise SomeError(...)` statement in the package (not an error of JAX or
+    Equinox passed on, nor a bare re-raise)."""
+    import linecache
+
     tb = e.__traceback__
-    if tb is None:
+    if tb is None or type(e).__module__ != "builtins":
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+    filename = tb.tb_frame.f_code.co_filename
+    line = linecache.getline(filename, tb.tb_lineno).strip()
+    return filename.startswith(_PACKAGE) and line.startswith("raise ")
 
 
 class _CheckedRaises:

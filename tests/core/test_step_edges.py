@@ -1,0 +1,147 @@
+"""Edges of a training step found by outside testing (issue 24: items 1, 5, 6, 11,
+12, 18), each against an independent reference: a full-batch step by hand, optax's
+own loop, JAX's own error."""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_state as es
+
+
+def _weighted_loss(model, x, y, class_weights):
+    logits = jax.vmap(model)(x)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.mean(ce * class_weights[y])
+
+
+def test_microbatches_refuse_an_argument_that_is_not_a_batch():
+    """Item 1: class weights [4] beside a batch [8] are not split; the error names
+    them (they would have been halved, the gather clamping silently)."""
+    model = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    y = jnp.arange(8) % 4
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+    step = es.make_step(_weighted_loss, optax.sgd(0.1), microbatches=2)
+    with pytest.raises(es.StepError, match=r"`args\[2\]` \(4,\).*closure"):
+        step(model, step.init(model), x, y, w)
+    # the documented fix, a closure, equals a full-batch step by hand
+    import functools
+
+    loss = functools.partial(_weighted_loss, class_weights=w)
+    step = es.make_step(
+        loss, optax.sgd(0.1), microbatches=2, return_loss=True, donate=False
+    )
+    new, _, value = step(model, step.init(model), x, y)
+    grads = jax.grad(_weighted_loss)(model, x, y, w)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, model, grads)
+    assert float(value) == pytest.approx(float(_weighted_loss(model, x, y, w)), 1e-6)
+    np.testing.assert_allclose(new.weight, want.weight, rtol=1e-5, atol=1e-7)
+
+
+def _mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+
+
+def test_reduce_on_plateau_gets_the_loss_like_optaxs_own_loop():
+    """Item 12: an optimizer that needs the loss (`value=`) trains as in optax's
+    documented loop."""
+    opt = optax.chain(
+        # a step too large for the problem: the loss stops improving, and the
+        # plateau rule halves the updates
+        optax.sgd(1.5),
+        optax.contrib.reduce_on_plateau(patience=1, factor=0.5),
+    )
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    y = jnp.sin(x[:, 0])
+    step = es.make_step(_mse, opt, return_loss=True, donate=False)
+    state = step.init(model)
+    params, ref_state = model, opt.init(eqx.filter(model, eqx.is_inexact_array))
+    for _ in range(8):
+        model, state, loss = step(model, state, x, y)
+        ref_loss, grads = jax.value_and_grad(_mse)(params, x, y)
+        updates, ref_state = opt.update(grads, ref_state, params, value=ref_loss)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(model.weight, params.weight, rtol=1e-5)
+    assert float(state[1].scale) == float(ref_state[1].scale) < 1.0  # it reduced
+
+
+def test_a_python_float_that_keeps_changing_warns_naming_the_leaf():
+    """Item 6: each new float compiles again; the warning names the leaf and the
+    fix (an array)."""
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    x, y = jnp.ones((4, 2)), jnp.zeros(4)
+    step = es.make_step(_mse, opt, donate=False)
+    state = step.init(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for lr in (0.1, 0.2, 0.3, 0.4):
+            state.hyperparams["learning_rate"] = lr
+            model, state = step(model, state, x, y)
+    messages = [str(w.message) for w in caught if w.category is es.RecompileWarning]
+    assert len(messages) == 1, messages
+    assert "opt_state.hyperparams['learning_rate']" in messages[0]
+    assert "jnp.asarray" in messages[0]
+    assert step.trace_count == 4
+    # with an array: no new compilation, no warning
+    step = es.make_step(_mse, opt, donate=False)
+    state = step.init(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for lr in (0.1, 0.2, 0.3, 0.4):
+            state.hyperparams["learning_rate"] = jnp.asarray(lr)
+            model, state = step(model, state, x, y)
+    assert step.trace_count == 1
+
+
+def test_a_runtime_error_of_the_first_step_is_reported_as_itself():
+    """Item 11: a callback that raises inside the first step of a fresh model is
+    the error reported (not "consumed by an earlier call"), with a note that the
+    donated inputs are gone."""
+
+    def fail(_):
+        raise RuntimeError("the data loader's callback failed")
+
+    def loss(model, x, y):
+        jax.debug.callback(fail, x)
+        return _mse(model, x, y)
+
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    step = es.make_step(loss, optax.sgd(0.1))
+    with pytest.raises(Exception) as info:  # noqa: B017 -- whatever JAX raises
+        out = step(model, step.init(model), jnp.ones((4, 2)), jnp.zeros(4))
+        jax.block_until_ready(out)
+    assert not isinstance(info.value, es.StaleModelError)
+    assert "the data loader's callback failed" in str(info.value)
+    # and a model consumed before a call is still named as such
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    state = step.init(model)
+    step2 = es.make_step(_mse, optax.sgd(0.1))
+    step2(model, state, jnp.ones((4, 2)), jnp.zeros(4))
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        step2(model, state, jnp.ones((4, 2)), jnp.zeros(4))
+
+
+def test_an_assigned_hyperparameter_array_is_donated_as_documented():
+    """Item 18 (documented convention): an array put into the optimizer state is
+    part of it and donated by the next step; a copy kept by the user stays valid,
+    and the value read back from the returned state is the one assigned."""
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    step = es.make_step(_mse, opt)
+    state = step.init(model)
+    lr = jnp.asarray(0.05)
+    state.hyperparams["learning_rate"] = jnp.copy(lr)
+    model, state = step(model, state, jnp.ones((4, 2)), jnp.zeros(4))
+    assert float(lr) == pytest.approx(0.05)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.05)
