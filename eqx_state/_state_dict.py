@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import Buffer, RngState, is_state
-from ._errors import StaleModelError, StateTypeError, StateValueError
+from ._buffer import Buffer, RngState, check_live, is_state
+from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
 from ._modes import to_refs
 from ._torch_names import (
     _SKIPPED,
@@ -55,22 +55,11 @@ class IncompatibleKeys(NamedTuple):
 
 def _stale(name: str, e: Exception | None = None) -> StaleModelError:
     detail = f"\n{e}" if e is not None else ""
-    return StaleModelError(
-        f"`{name}` holds an array that was consumed (donated) by an earlier call: "
-        "the model passed in was given to a step (`make_step` / `make_apply` donate "
-        "the buffers they replace) and must not be used again. Use the model the "
-        "step returned, or build the step with `donate=False`." + detail
-    )
+    return StaleModelError(stale_message(f"model's `{name}`") + detail)
 
 
 def _check_live(x: Any, name: str) -> None:
-    if isinstance(x, jax.Array):
-        try:
-            deleted = x.is_deleted()
-        except jax.errors.ConcretizationTypeError:  # a tracer: nothing to check
-            return
-        if deleted:
-            raise _stale(name)
+    check_live(x, f"model's `{name}`")
 
 
 def _check_module(module: Any, name: str) -> None:
