@@ -282,7 +282,7 @@ def keep_grad_norm() -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del state, params
-        return updates, GradNormState(optax.global_norm(updates))
+        return updates, GradNormState(optax.tree.norm(updates))
 
     return optax.GradientTransformation(init, update)
 
@@ -423,7 +423,7 @@ def train(
     k = cfg.scan
     tokens_per_step = cfg.batch * cfg.seq_len
     history: dict[str, list] = {"step": [], "loss": [], "perplexity": [], "lr": []}
-    history.update(accuracy=[], grad_norm=[], activations=[])
+    history.update(accuracy=[], grad_norm=[], activations=[], step_losses=[])
     bar = tqdm(total=cfg.steps, initial=start, disable=quiet or not lead, desc="train")
     seconds, trained = 0.0, 0
     step = start
@@ -442,7 +442,7 @@ def train(
                 xs, ys = es.global_batch((xs, ys), mesh, batch_axis=1)
             trainer, opt_state, loss = train_step.scan(trainer, opt_state, xs, ys)
         step, position = step + k, position + k
-        jax.block_until_ready(loss)
+        history["step_losses"] += np.atleast_1d(np.asarray(loss)).tolist()
         if step > start + k:  # not the first call (which compiles)
             seconds += time.perf_counter() - t
             trained += k
@@ -470,7 +470,7 @@ def train(
     return {
         "trainer": trainer,
         "opt_state": opt_state,
-        "position": position,
+        "position": int(position),
         "start": start,
         "history": history,
         "step": train_step,
@@ -687,7 +687,8 @@ def leaves(tree) -> list[tuple[str, np.ndarray]]:
     return [
         (jax.tree_util.keystr(p), np.asarray(v))
         for p, v in flat
-        if isinstance(v, jax.Array | np.ndarray | np.generic)
+        if isinstance(v, jax.Array | np.ndarray | np.generic | int)
+        and not isinstance(v, bool)  # flags (`inference`) are configuration
     ]
 
 
