@@ -850,7 +850,7 @@ def check_processes(cfg: Config, n: int, root: Path, timeout: float) -> int:
     for (name, g), (_, w) in zip(leaves(got), leaves(want), strict=True):
         if np.issubdtype(g.dtype, np.floating):
             finite = np.isfinite(w)  # a reset maximum is -inf in both
-            diff = float(np.max(np.abs(g - w)[finite], initial=0.0))
+            diff = float(np.max(np.abs(g[finite] - w[finite]), initial=0.0))
             worst = max(worst, diff)
             if not np.allclose(g, w, rtol=RTOL, atol=ATOL):
                 bad.append(f"{name} (max difference {diff:.3g})")
