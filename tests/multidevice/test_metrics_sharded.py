@@ -225,3 +225,23 @@ def test_axis_name_inside_a_mesh_step_says_to_drop_it(mesh, devices):
         step(model, opt_state, _sharded(sub, X), _sharded(sub, Y))
     with pytest.raises(ValueError, match=r"axis named 'data'.*without\s+`axis_name`"):
         es.to_refs(esm.Sum(axis_name="data")).update(jnp.ones(3))  # eager, unbound
+
+
+def test_reset_keeps_a_value_mode_cells_sharding(mesh):
+    """`es.reset` in value mode gives each cell a fresh array laid out as the cell
+    was: replicated over the mesh (a single-device array there could not be saved
+    by Orbax from several processes), or split as the cell was."""
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    metrics = esm.Metrics(loss=esm.Mean(), hist=esm.Histogram(8, range=(0.0, 1.0)))
+    metrics = jax.tree.map(lambda a: jax.device_put(a, replicated), metrics)
+    metrics = eqx.tree_at(
+        lambda m: m["hist"].counts.value,
+        metrics,
+        jax.device_put(jnp.ones(8), split),
+    )
+    fresh = es.reset(metrics)
+    assert float(fresh["loss"].weight[...]) == 0.0
+    np.testing.assert_array_equal(fresh["hist"].counts[...], np.zeros(8))
+    assert fresh["loss"].total.value.sharding == replicated
+    assert fresh["loss"].weight.value.sharding == replicated
+    assert fresh["hist"].counts.value.sharding == split
