@@ -46,8 +46,8 @@ block's activation statistics (`es.recorded`), to TensorBoard (tensorboardX) in
 `es.process_slice` / `es.global_batch`) with the launcher of
 `examples/train_multiprocess.py`, and compares with one process.
 
-    python examples/train_lm.py --tiny                 # about a minute on 2 cores
-    python examples/train_lm.py --tiny --check-resume
+    python examples/train_lm.py --tiny                 # about 20 s on 2 cores
+    python examples/train_lm.py --tiny --check-resume  # about a minute
     python examples/train_lm.py --tiny --processes 2
     python examples/train_lm.py --dir runs/lm          # a larger run; resumable
 
@@ -877,7 +877,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
         parser.add_argument(
             f"--{field.name.replace('_', '-')}", type=type(field.default), default=None
         )
-    parser.add_argument("--tiny", action="store_true", help="a one-minute run")
+    parser.add_argument("--tiny", action="store_true", help="a 20-second run")
     parser.add_argument("--dir", help="run directory (checkpoints, logs, plot)")
     parser.add_argument("--fresh", action="store_true", help="start over in --dir")
     parser.add_argument("--generate", type=int, default=None, help="tokens to generate")
