@@ -25,7 +25,8 @@ is drawn from `np.random.default_rng((seed, p))`. The position (the number of
 batches consumed) is the only state of the pipeline; it is saved with the model.
 
 **Checkpoints**: an Orbax `CheckpointManager` (asynchronous, every `--save-every`
-steps, keeps `--keep`) saves `{"trainer", "opt_state", "position"}`; a run started
+steps, keeps `--keep`) saves `{"trainer", "opt_state", "position"}` and a
+fingerprint of the text (a resume on another text is refused); a run started
 on a directory that holds one resumes from the latest. `--check-resume` proves the
 resume exact: an uninterrupted run, a run killed mid-interval (`--die-at-step`, an
 `os._exit`), a run resumed from it and killed again while an asynchronous save is in
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -143,6 +145,15 @@ def corpus() -> np.ndarray:
 
         text = "\n\n".join(inspect.getsource(m) for m in (textwrap, json.decoder))
     return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+
+@functools.cache
+def corpus_digest() -> int:
+    """A fingerprint of the text, saved with every checkpoint: the batch at a
+    position depends on the text too, so a resume on another text (the docs were
+    edited in between) would not continue the same run."""
+    digest = hashlib.sha256(corpus().tobytes()).digest()
+    return int.from_bytes(digest[:7], "little")
 
 
 def split() -> tuple[np.ndarray, np.ndarray]:
@@ -340,7 +351,12 @@ def checkpoint_manager(directory: Path, cfg: Config):
 def save(manager, step: int, trainer, opt_state, position: int, *, force=False):
     import orbax.checkpoint as ocp
 
-    item = {"trainer": trainer, "opt_state": opt_state, "position": np.int64(position)}
+    item = {
+        "trainer": trainer,
+        "opt_state": opt_state,
+        "position": np.int64(position),
+        "corpus": np.int64(corpus_digest()),
+    }
     return manager.save(
         step, args=ocp.args.StandardSave(es.to_orbax(item)), force=force
     )
@@ -372,11 +388,18 @@ def restore(manager, step: int, cfg: Config, mesh=None):
             ),
             (trainer, opt_state),
         )
-    like = {"trainer": trainer, "opt_state": opt_state, "position": np.int64(0)}
+    like = {"trainer": trainer, "opt_state": opt_state}
+    like.update(position=np.int64(0), corpus=np.int64(0))
     target = es.orbax_target(like, manager.item_metadata(step))  # checks dtypes
     got = es.from_orbax(
         manager.restore(step, args=ocp.args.StandardRestore(target)), like
     )
+    if int(got["corpus"]) != corpus_digest():
+        raise es.CheckpointError(
+            f"The checkpoint of step {step} in {manager.directory} was trained on "
+            "another text (the documentation changed since): resuming would not "
+            "continue the same run. Start over (`--fresh`, or another `--dir`)."
+        )
     return got["trainer"], got["opt_state"], int(got["position"])
 
 

@@ -167,7 +167,7 @@ def test_the_data_is_a_function_of_seed_and_position():
     assert text.tobytes().find(start) >= 0  # a window of the text
 
 
-def test_resume_in_process_is_bit_exact(run, tmp_path):
+def test_resume_in_process_is_bit_exact(run, tmp_path, monkeypatch):
     """Stopped between two checkpoints and resumed from the last one: the final
     state equals the uninterrupted run's (the fixture's) bit for bit."""
     out, _ = run
@@ -185,6 +185,12 @@ def test_resume_in_process_is_bit_exact(run, tmp_path):
     # the checkpoint written at the end holds that state
     assert example.compare_exact(example.final_state(tmp_path, cfg), want) == []
     assert out["step"].trace_count == 1  # no second compilation
+    # the batches depend on the text too: a checkpoint of another text is refused
+    import eqx_state as es
+
+    monkeypatch.setattr(example, "corpus_digest", lambda: 12345)
+    with pytest.raises(es.CheckpointError, match="trained on another text"):
+        example.train(cfg, tmp_path, quiet=True)
 
 
 @pytest.mark.slow
