@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from ._buffer import Buffer, MetricState, is_state
 from ._errors import StateTypeError, StateValueError
@@ -89,11 +90,19 @@ def reset(model: _T, which: Which = MetricState) -> _T:
                 "`which` to the kinds you mean (e.g. `which=eqx_state.MetricState`), "
                 "or give the cell one when it is built, `Buffer(value, init=0.0)`."
             )
-        fill = jnp.full(x.shape, x.init, x.dtype)
         if isinstance(x.value, jax.Array):  # value mode: a fresh array
+            # laid out as the cell was (replicated over a mesh that may span
+            # processes: a single-device array there could not be saved by Orbax
+            # nor taken by a step)
+            sharding = None
+            if not isinstance(x.value, Tracer) and not x.value.is_deleted():
+                sharding = x.value.sharding
+            fill = jnp.full(x.shape, x.init, x.dtype, device=sharding)
             replaced.append(path)
             return eqx.tree_at(lambda b: b.value, x, fill)
-        x[...] = fill  # a ref (ref mode, or inside a step): written in place
+        x[...] = jnp.full(
+            x.shape, x.init, x.dtype
+        )  # a ref (ref mode, or inside a step): written in place
         return x
 
     new = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_state)

@@ -251,3 +251,23 @@ def test_logits_rule_decides_over_the_global_batch(mesh):
             check_vma=check_vma,
         )
         np.testing.assert_allclose(out.compute(), want, rtol=1e-6)
+
+
+def test_reset_keeps_a_value_mode_cells_sharding(mesh):
+    """`es.reset` in value mode gives each cell a fresh array laid out as the cell
+    was: replicated over the mesh (a single-device array there could not be saved
+    by Orbax from several processes), or split as the cell was."""
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    metrics = esm.Metrics(loss=esm.Mean(), hist=esm.Histogram(8, range=(0.0, 1.0)))
+    metrics = jax.tree.map(lambda a: jax.device_put(a, replicated), metrics)
+    metrics = eqx.tree_at(
+        lambda m: m["hist"].counts.value,
+        metrics,
+        jax.device_put(jnp.ones(8), split),
+    )
+    fresh = es.reset(metrics)
+    assert float(fresh["loss"].weight[...]) == 0.0
+    np.testing.assert_array_equal(fresh["hist"].counts[...], np.zeros(8))
+    assert fresh["loss"].total.value.sharding == replicated
+    assert fresh["loss"].weight.value.sharding == replicated
+    assert fresh["hist"].counts.value.sharding == split
