@@ -120,6 +120,7 @@ class _Signature:
         self.dyn_idx = tuple(i for i, k in enumerate(kinds) if k in (_DYN, _REFBUF))
         self.refbuf_idx = tuple(i for i, k in enumerate(kinds) if k == _REFBUF)
         self.refbuf_ks = tuple(self.dyn_idx.index(i) for i in self.refbuf_idx)
+        self.n_carry_dyn = sum(i < n_carry for i in self.dyn_idx)
         self.ref_idx = tuple(i for i, k in enumerate(kinds) if k == _REF)
         self.static_idx = tuple(i for i, k in enumerate(kinds) if k == _STATIC)
         self.get_dyn = _getter(self.dyn_idx)
@@ -502,7 +503,7 @@ class Compiled:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
             elif refs or sig.refbuf_ks:
-                dyn = _committed(dyn)
+                dyn = _committed(dyn, sig.n_carry_dyn)
             inputs = (
                 plan.get_donated(dyn),
                 plan.get_kept(dyn),
@@ -600,16 +601,30 @@ class Owned:
         return jax.tree_util.tree_unflatten(self._treedef, self._leaves)
 
 
-def _committed(dyn: list) -> list:
-    """Arrays committed to their device. A call with ref arguments commits its
-    outputs (refs are committed once written), and `jax.jit` compiles separately for
-    committed and uncommitted inputs: committing a fresh model's arrays up front
-    keeps a ref-mode step at one compilation."""
+def _is_committed(x: Any) -> bool:
+    return not isinstance(x, jax.Array) or isinstance(x, Tracer) or x.committed
+
+
+def _committed(dyn: list, n: int) -> list:
+    """The carry's arrays (the first `n` of `dyn`) committed to their device. A
+    call with refs commits its outputs (a ref's array is committed), and `jax.jit`
+    compiles separately for committed and uncommitted inputs: committing a fresh
+    model's arrays up front keeps a ref-mode step at one compilation. The
+    arguments are left as they come (a fresh batch each call, uncommitted every
+    time: no new compilation, and no copy)."""
+    # After a call every array it returned is committed: when the model's first
+    # array and the optimizer state's last are, the carry is one a call returned
+    # (a cheap test; a carry it misjudges costs one compilation, never a result)
+    if n == 0 or (_is_committed(dyn[0]) and _is_committed(dyn[n - 1])):
+        return dyn
     return [
         x
-        if not isinstance(x, jax.Array) or isinstance(x, Tracer) or x.committed
+        if k >= n
+        or not isinstance(x, jax.Array)
+        or isinstance(x, Tracer)
+        or x.committed
         else jax.device_put(x, x.sharding)
-        for x in dyn
+        for k, x in enumerate(dyn)
     ]
 
 
