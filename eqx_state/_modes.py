@@ -20,21 +20,22 @@ from ._compat import Tracer
 from ._errors import StateError
 
 
+def key_name(k: Any) -> str:
+    """One entry of a JAX key path as a name: a field, an index or a dict key."""
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, jax.tree_util.DictKey | jax.tree_util.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)  # pragma: no cover - custom key types
+
+
 def path_str(path: tuple) -> str:
-    """A key path as a dotted name, PyTorch style: `blocks.0.bn.running_mean`."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:  # pragma: no cover - custom key types
-            parts.append(str(k))
-    return ".".join(parts)
+    """A key path as a dotted name, PyTorch style: `blocks.0.bn.running_mean` (the
+    one path formatter; `_torch_names.torch_path_name` adds PyTorch's names for
+    converted layers on top of it)."""
+    return ".".join(map(key_name, path))
 
 
 def _rebuild(buf: Buffer, **fields: Any) -> Buffer:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ._buffer import Buffer, RecordState, is_state
 from ._errors import StateTypeError
+from ._modes import key_name
 from .nn._batched import Batched
 from .nn._ema import EMA
 from .nn._spectral_norm import SpectralNorm
@@ -32,22 +33,10 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}"
 
 
-def _key_name(k: Any) -> str:
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)  # pragma: no cover - user-defined key types
-
-
 def _path_name(prefix: str, path: tuple[Any, ...]) -> str:
     name = prefix
     for k in path:
-        name = _join(name, _key_name(k))
+        name = _join(name, key_name(k))
     return name
 
 
@@ -592,7 +581,7 @@ def torch_path_name(model: Any, path: Sequence[Any]) -> str:
             if found is not None:
                 name, node, i = _join(name, found), obj, j
                 continue
-        name = _join(name, _key_name(path[i]))
+        name = _join(name, key_name(path[i]))
         try:
             node = _child(node, path[i])
         except (KeyError, AttributeError, IndexError, TypeError):
