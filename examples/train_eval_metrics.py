@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     history: dict = {"train": [], "eval": []}
     bar = tqdm(total=args.epochs * steps_per_epoch, disable=args.no_progress)
     for epoch in range(args.epochs):
-        model = esm.reset(model)  # the train metrics start over every epoch
+        model = es.reset(model)  # the train metrics start over every epoch
         order = rng.permutation(len(y_train))
         logged = []
         for i in range(steps_per_epoch):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
             bar.update()
         history["train"].append(logged)
 
-        metrics = esm.reset(eval_metrics)
+        metrics = es.reset(eval_metrics)
         eval_model = eqx.nn.inference_mode(model)
         preds = []
         for xb, yb, mask in padded_batches(x_eval, y_eval, args.batch_size):

@@ -80,8 +80,10 @@ def _raised_by_the_library(e: BaseException) -> bool:
     Equinox passed on, nor a bare re-raise)."""
     import linecache
 
+    import builtins
+
     tb = e.__traceback__
-    if tb is None or type(e).__module__ != "builtins":
+    if tb is None or getattr(builtins, type(e).__name__, None) is not type(e):
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next

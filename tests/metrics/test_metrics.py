@@ -461,7 +461,7 @@ def test_reset_inside_apply_writes_in_place():
     _, m = es.apply(lambda m: m.update(jnp.ones(3)), m)
 
     def fn(m):
-        esm.reset(m)
+        es.reset(m)
         m.update(jnp.ones(2))
 
     _, m = es.apply(fn, m)
@@ -475,7 +475,7 @@ def test_reset_resets_every_position_on_its_own():
 
     shared = esm.Sum()
     _, shared = es.apply(lambda m: m.update(2.0), shared)
-    model = esm.reset(Two(shared, shared))  # one array reachable from two places
+    model = es.reset(Two(shared, shared))  # one array reachable from two places
     assert float(model.a.compute()) == 0.0 and float(model.b.compute()) == 0.0
     # two fresh arrays: each position is its own value
     assert model.a.total.value is not model.b.total.value
@@ -490,7 +490,7 @@ def test_reset_inside_make_step_loss():
         seen: esm.Sum
 
     def loss_fn(model, x):
-        esm.reset(model)
+        es.reset(model)
         model.seen.update(x)
         return jnp.sum(model.w * x)
 
@@ -738,7 +738,7 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
     def body_reduce(m, x, mask, logits, labels):
         # each device: a fresh state of its own for this batch, reduced over the
         # devices, then merged into the running (replicated) metric
-        local = jax.tree.map(lambda v: jax.lax.pcast(v, "data", to="varying"), esm.reset(m))
+        local = jax.tree.map(lambda v: jax.lax.pcast(v, "data", to="varying"), es.reset(m))
         _, local = es.apply(update, local, x, mask, logits, labels)
         return m.merge(local.reduce("data"))
 
