@@ -16,7 +16,9 @@ code form and where its family's docs recommend it):
   `pure_jax_scan`: the same step `K` times in one `lax.scan` per call.
 - eqx_state: `es_step` (`es.make_step`, an `eqx.Module` built from
   `es.nn.CausalSelfAttention`, `eqx.nn.LayerNorm` and `eqx.nn.Linear`) and
-  `es_scan` (`step.scan`, `K` steps per call).
+  `es_scan` (`step.scan`, `K` steps per call); `es_step_dict` / `es_scan_dict`:
+  the same on the hand-written model (`pure_jax`'s dict and forward), whose
+  compiled program is `pure_jax`'s, so that they measure eqx_state's call path alone.
 - Equinox (the same model with `eqx.nn.MultiheadAttention`): `eqx_partition`
   (`eqx.partition` once outside the loop, `jax.jit` on the arrays, donated), `equinox_flat` (the "low-overhead training loop" of
   Equinox's Tricks page: flatten once, `eqx.filter_jit` on flat leaves) and
@@ -283,7 +285,10 @@ class PureJax(so.Runner):
         return loss
 
     def snapshot(self):
-        return {"head": np.asarray(self.params["head"]["w"]), "tok": self.params["tok"]}
+        return {
+            "head": np.asarray(self.params["head"]["w"]),
+            "tok": np.asarray(self.params["tok"]),
+        }
 
 
 class PureJaxScan(PureJax):
@@ -479,6 +484,54 @@ class EsScan(EsStep):
             self.model, self.opt_state, self.xs, self.ys
         )
         return losses
+
+
+class EsStepDict(so.Runner):
+    """eqx_state's step on the hand-written model itself (a dict of arrays and
+    `pure_forward`): the compiled program is `pure_jax`'s, so the difference is
+    eqx_state's call path alone."""
+
+    name = "es_step_dict"
+    label = "eqx_state make_step on the hand-written batched model (a dict)"
+    family, usage = "eqx_state", so.ES
+    form = (
+        "step = es.make_step(lambda params, x, y: cross_entropy(pure_forward(params, "
+        "x), y), optax.adamw(...), return_loss=True) on pure_jax's dict of arrays"
+    )
+    source = "docs: a model is any pytree (diagnostic: pure_jax's compiled program)"
+
+    def __init__(self, size: Size, params, data):
+        heads = size.heads
+
+        def loss_fn(params, x, y):
+            return cross_entropy(pure_forward(params, x, heads), y)
+
+        self.model = _jnp(_strip_none(params))
+        self._step = es.make_step(loss_fn, optimizer(), return_loss=True)
+        self.opt_state = self._step.init(self.model)
+        self.x, self.y = (jnp.array(a) for a in data)
+
+    step = EsStep.step
+
+    def snapshot(self):
+        return {
+            "head": np.asarray(self.model["head"]["w"]),
+            "tok": np.asarray(self.model["tok"]),
+        }
+
+
+class EsScanDict(EsStepDict):
+    name = "es_scan_dict"
+    label = "eqx_state step.scan on the hand-written batched model (a dict)"
+    form = "step.scan(params, opt_state, xs, ys) with es_step_dict's step"
+
+    def __init__(self, size: Size, params, data):
+        super().__init__(size, params, data)
+        self.steps_per_call = size.k
+        self.xs = jnp.stack([self.x] * size.k)
+        self.ys = jnp.stack([self.y] * size.k)
+
+    step = EsScan.step
 
 
 # (c) Equinox ------------------------------------------------------------------------
@@ -846,6 +899,25 @@ def torch_device() -> str:
     return "cuda" if jax.default_backend() == "gpu" else "cpu"
 
 
+class _TorchLoss:
+    """A step's loss as `jax.block_until_ready` waits for it: on CUDA, where
+    PyTorch runs asynchronously, waiting means synchronising the device (on CPU
+    the step has finished when it returns)."""
+
+    def __init__(self, loss: Any):
+        self.loss = loss
+
+    def detach(self) -> Any:
+        return self.loss.detach()
+
+    def block_until_ready(self) -> _TorchLoss:
+        if self.loss.is_cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return self
+
+
 def _torch_model(size: Size, params):
     import torch
     from torch import nn
@@ -951,7 +1023,7 @@ class TorchEager(so.Runner):
         )
 
     def step(self):
-        return self._step()
+        return _TorchLoss(self._step())
 
     def snapshot(self):
         return {
@@ -1007,6 +1079,8 @@ VARIANTS: dict[str, type[Any]] = {
         PureJaxScan,
         EsStep,
         EsScan,
+        EsStepDict,
+        EsScanDict,
         EqxPartition,
         EqxFlat,
         EqxFilterJit,
@@ -1019,7 +1093,7 @@ VARIANTS: dict[str, type[Any]] = {
         TorchCompile,
     )
 }
-SCAN_VARIANTS = ("pure_jax_scan", "es_scan")
+SCAN_VARIANTS = ("pure_jax_scan", "es_scan", "es_scan_dict")
 
 
 # ---------------------------------------------------------------------------------
@@ -1097,17 +1171,25 @@ def build_and_check(
     skipped})`; the reference and `es_step` are always checked."""
     params, data = init_params(size), make_data(size)
     init = {"head": params["head"]["w"], "tok": params["tok"]}
-    refs: dict[int, tuple[list[float], dict]] = {}
-    es_ref: dict[int, list[float]] = {}
+    # One reference run (hand-written JAX, and eqx_state's step) as long as the
+    # longest check, with the weights kept after every step: the checks of
+    # different lengths (a K-steps call) share it, and it compiles once.
+    longest = max(
+        [
+            check_steps,
+            *(-(-check_steps // size.k) * size.k for n in names if n in SCAN_VARIANTS),
+        ]
+    )
+    pure, es_step = PureJax(size, params, data), EsStep(size, params, data)
+    ref_losses, es_losses, ref_snaps = [], [], []
+    for _ in range(longest):
+        ref_losses.append(float(pure.step()))
+        es_losses.append(float(es_step.step()))
+        ref_snaps.append(pure.snapshot())
+    del pure, es_step
 
     def reference(n_steps: int) -> tuple[list[float], dict]:
-        if n_steps not in refs:
-            r = PureJax(size, params, data)
-            losses = [float(r.step()) for _ in range(n_steps)]
-            refs[n_steps] = (losses, r.snapshot())
-            e = EsStep(size, params, data)
-            es_ref[n_steps] = [float(e.step()) for _ in range(n_steps)]
-        return refs[n_steps]
+        return ref_losses[:n_steps], ref_snaps[n_steps - 1]
 
     runners: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -1124,7 +1206,7 @@ def build_and_check(
             continue
         ref = reference(len(losses))
         errors: dict[str, float] = {}
-        why = compare(name, losses, snap, ref, es_ref[len(losses)], init, errors)
+        why = compare(name, losses, snap, ref, es_losses[: len(losses)], init, errors)
         if why is not None:
             failed[name] = f"failed the correctness gate: {why}"
             print(f"[{size.name}] {name}: {failed[name]}", flush=True)

@@ -1155,7 +1155,9 @@ def performance_page(
             "Training throughput of one small GPT written in each library (the "
             "targets: `step` within 1.05× of hand-written JAX and ahead of every "
             "peer's fastest form at both sizes; `step.scan` ahead of everything at "
-            "the dispatch-bound size). Its own run, from `benchmarks/lm.py`:",
+            "the dispatch-bound size). Its own run, from `benchmarks/lm.py`; where "
+            "eqx_state's time goes (its call path, the Equinox model's pytree, the "
+            "compiled program), measured: `benchmarks/README.md`, section `lm.py`.",
             "",
             *render_lm(lm),
             "",
