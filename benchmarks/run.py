@@ -1389,6 +1389,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 m for m in env.get("merged", []) if m.split(":", 1)[0] not in args.only
             ] + merged
             run_argv, seconds = saved["argv"], saved["seconds"]
+            # The report is the saved run's (a merged benchmark names its own run).
+            args.tiny = "--tiny" in run_argv
 
     steps = payloads.get("step_overhead", {}).get("result")
     if steps:
