@@ -10,7 +10,9 @@ importing this checkout's `eqx_state`:
 - `many_cells.py`: the overhead against the number of BatchNorms (1 to 100);
 - `kv_cache.py`: KV-cache decoding, per token and in a scan, with memory;
 - `scaling.py`: the data-parallel step on 1, 2 and 4 CPU devices, in one process
-  and in two (JAX's distributed runtime on localhost).
+  and in two (JAX's distributed runtime on localhost);
+- `lm.py`: training throughput of a small GPT with eqx_state, hand-written JAX,
+  Equinox, Flax NNX and PyTorch, at a dispatch-bound and a compute-bound size.
 
 Each writes its own `results_<name>.md` and PNG into `--out`. This script collects
 what their `main()` returned and writes, also into `--out`:
@@ -36,6 +38,7 @@ Usage:
     python benchmarks/run.py --tiny --out /tmp/bench   # smoke run (about a minute)
     python benchmarks/run.py --only step_overhead many_cells
     python benchmarks/run.py --render-only   # rewrite the reports from results.json
+    python benchmarks/run.py --only lm --merge   # rerun one, keep the others' results
 
 `--tiny` runs every benchmark at its tiny size, concurrently and with most XLA
 optimisations off (`JAX_DISABLE_MOST_OPTIMIZATIONS=1`): the timings of a tiny run
@@ -129,6 +132,14 @@ BENCHES: dict[str, Bench] = {
         (),
         ("--tiny", "--devices", "1", "2", "--multi", "2x1"),
         ("scaling.png", "results_scaling.md"),
+    ),
+    "lm": Bench(
+        "Language model",
+        (),
+        # torch.compile takes minutes to compile on 2 cores: the tiny run leaves it
+        # out (tests/bench/test_lm_bench.py runs it).
+        ("--tiny", "--skip", "torch_compile"),
+        ("lm.png", "results_lm.md"),
     ),
 }
 
@@ -898,11 +909,17 @@ def render_scaling(result: dict[str, Any]) -> list[str]:
     return lines + _table(["devices × variant", "steps/s", "× pure JAX"], rows)
 
 
+def render_lm(result: dict[str, Any], level: int = 3) -> list[str]:
+    """lm.py's own tables (its `render`), from what its `main` returned."""
+    return _sibling("lm").render(result, level=level)
+
+
 RENDER: dict[str, Callable[[Any], list[str]]] = {
     "step_overhead": render_step_overhead,
     "many_cells": render_many_cells,
     "kv_cache": render_kv_cache,
     "scaling": render_scaling,
+    "lm": render_lm,
 }
 
 
@@ -952,6 +969,7 @@ def _provenance(env: dict[str, Any], payloads: dict[str, dict[str, Any]]) -> lis
         f"- eqx_state commit: {env['commit']}"
         + (f" (imported from {', '.join(sources)})" if sources else ""),
         f"- load average before / after: {env['load_before']} / {env['load_after']}",
+        *(f"- merged later: {m}" for m in env.get("merged", [])),
     ]
 
 
@@ -1129,6 +1147,23 @@ def performance_page(
     ):
         if name in images:
             lines += [f"## {title}", "", f"![{name}]({images[name]})", ""]
+    lm = payloads.get("lm", {}).get("result")
+    if lm:
+        lines += [
+            "## Language model",
+            "",
+            "Training throughput of one small GPT written in each library (the "
+            "targets: `step` within 1.05× of hand-written JAX and ahead of every "
+            "peer's fastest form at both sizes; `step.scan` ahead of everything at "
+            "the dispatch-bound size). Its own run, from `benchmarks/lm.py`; where "
+            "eqx_state's time goes (its call path, the Equinox model's pytree, the "
+            "compiled program), measured: `benchmarks/README.md`, section `lm.py`.",
+            "",
+            *render_lm(lm),
+            "",
+        ]
+        if "lm" in images:
+            lines += [f"![language model]({images['lm']})", ""]
     variants = render_variants(payloads)
     if variants:
         lines += ["## What each variant is", "", *variants, ""]
@@ -1189,7 +1224,14 @@ def write_docs(
     img = root / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
     images = {}
-    for name in ("step_overhead", "many_cells", "kv_cache", "scaling", "summary"):
+    for name in (
+        "step_overhead",
+        "many_cells",
+        "kv_cache",
+        "scaling",
+        "lm",
+        "summary",
+    ):
         src = out / f"{name}.png"
         if src.exists() and (
             name == "summary" or "error" not in payloads.get(name, {})
@@ -1303,6 +1345,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         "--no-docs", action="store_true", help="never touch docs/ or the README"
     )
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="run only the --only benchmarks and put their results into --out's "
+        "results.json in place of the old ones, keeping the others' (the "
+        "environment and date stay the full run's; each merged benchmark is named "
+        "in the environment section)",
+    )
+    parser.add_argument(
         "--note",
         default=None,
         help="a caveat printed at the top of docs/performance.md and in the README "
@@ -1325,6 +1375,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         payloads = run_all(args.only, args.tiny, args.out.resolve(), jobs)
         seconds = time.perf_counter() - t0
         env["load_after"] = _load()
+        if args.merge:
+            saved = json.loads((args.out / "results.json").read_text("utf-8"))
+            merged = [
+                f"{name}: `python benchmarks/run.py {' '.join(given)}` on "
+                f"{env['date']}, load average {env['load_before']} / "
+                f"{env['load_after']}"
+                for name in payloads
+            ]
+            payloads = {**saved["benchmarks"], **payloads}
+            env = dict(saved["environment"])
+            env["merged"] = [
+                m for m in env.get("merged", []) if m.split(":", 1)[0] not in args.only
+            ] + merged
+            run_argv, seconds = saved["argv"], saved["seconds"]
+            # The report is the saved run's (a merged benchmark names its own run).
+            args.tiny = "--tiny" in run_argv
 
     steps = payloads.get("step_overhead", {}).get("result")
     if steps:

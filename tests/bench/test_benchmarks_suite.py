@@ -24,6 +24,7 @@ SECTIONS = [
     "## Many cells",
     "## KV-cache decoding",
     "## Data-parallel scaling",
+    "## Language model",
     "## Variants",
 ]
 
@@ -89,6 +90,7 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
         "many_cells",
         "kv_cache",
         "scaling",
+        "lm",
     }
     assert raw["environment"]["packages"]["jax"] in text
     # The benchmarks imported this checkout's eqx_state.
@@ -183,6 +185,16 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
             want = stats.ratio_summary(ts, times["pure_jax"])
             assert cell[2] == stats.fmt_ratio(want)
 
+    # Language model: lm.py's tables, every ratio that of the raw rounds.
+    lm = raw["benchmarks"]["lm"]["result"]["result"]["tiny"]["rows"]
+    assert "torch_compile" not in lm and {"es_step", "es_scan", "torch_eager"} <= set(
+        lm
+    )
+    section = _section(text, "## Language model")
+    for name, r in lm.items():
+        want = stats.ratio_summary(r["rounds_us"], lm["pure_jax"]["rounds_us"])
+        assert _row(section, f"`{name}`")[6] == stats.fmt_ratio(want)
+
     # What each variant is.
     variants = _section(text, "## Variants")
     for name in steps["tiny"]:
@@ -196,6 +208,8 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
     # The docs page and the README block come from the same results.
     page = (root / "docs" / "performance.md").read_text(encoding="utf-8")
     assert _section(page, "## Targets") == targets
+    # the LM's tiny size table and its variants table
+    assert _section(page, "## Language model").count("| `es_step` |") == 2
     assert (root / "docs" / "img" / "bench_step_overhead.png").exists()
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert readme.startswith("# x\n\n<!-- benchmarks:begin -->\n")
