@@ -78,9 +78,8 @@ def _raised_by_the_library(e: BaseException) -> bool:
     """Whether eqx_state's own code made `e`: a built-in exception type raised by
     a `raise SomeError(...)` statement in the package (not an error of JAX or
     Equinox passed on, nor a bare re-raise)."""
-    import linecache
-
     import builtins
+    import linecache
 
     tb = e.__traceback__
     if tb is None or getattr(builtins, type(e).__name__, None) is not type(e):
