@@ -600,7 +600,7 @@ def test_a_killed_save_leaves_the_old_file_and_its_temp_is_cleaned(tmp_path):
 RESUME = textwrap.dedent(
     """
     import sys, optax
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/io"]  # shared helpers; this file
     import eqx_state as es
     from test_checkpoint import Net, loss_fn, train
     folder = sys.argv[1]
