@@ -45,7 +45,7 @@ from ._compat import (
     set_ref_buffer,
 )
 from ._errors import RecompileWarning, StaleModelError, StepError, stale_message
-from ._modes import check_no_shared_refs, path_str
+from ._modes import _WITNESS_DTYPE, check_no_shared_refs, path_str
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -58,6 +58,9 @@ from ._sharding import (
 # static leaf; a concrete ref of the carry, run as a value-mode cell: its array goes
 # in, donated, and the new array is put back into the same ref (see `call_flat`).
 _DYN, _REF, _STATIC, _REFBUF = 0, 1, 2, 3
+# The shape witness of such a cell: never replaced, so not passed to the compiled
+# call at all (one argument less per cell); the trace makes a stand-in of its shape.
+_WITNESS = 4
 
 
 def _kind(x: Any) -> int:
@@ -114,6 +117,17 @@ class _Signature:
         kinds = [
             _REF if k == _REFBUF and i >= n_carry else k for i, k in enumerate(kinds)
         ]
+        carry = carry_td.unflatten(carry_leaves)
+        roles = _roles(carry)
+        for i in range(1, n_carry):
+            if (
+                roles[i] == "witness"
+                and kinds[i - 1] == _REFBUF
+                and kinds[i] == _DYN
+                and isinstance(carry_leaves[i], jax.Array)
+            ):
+                kinds[i] = _WITNESS
+        self.witness_idx = tuple(i for i, k in enumerate(kinds) if k == _WITNESS)
         self.carry_treedef, self.arg_treedef = carry_td, arg_td
         self.n_leaves = len(kinds)
         self.n_carry = n_carry
@@ -128,7 +142,7 @@ class _Signature:
         self.get_static = _getter(self.static_idx)
         # one bool per carry leaf: which positions the function replaces; a ref's
         # array is always replaced (and donated, as JAX donates a ref's array)
-        may_donate = donate(carry_td.unflatten(carry_leaves))
+        may_donate = donate(carry)
         refbufs = set(self.refbuf_idx)
         self.donatable = tuple(
             i < n_carry and (may_donate[i] or i in refbufs) for i in self.dyn_idx
@@ -293,6 +307,8 @@ class _Plan:
         ):
             for i, x in zip(idx, xs):
                 leaves[i] = x
+        for i in sig.witness_idx:  # a stand-in: its output is the caller's own
+            leaves[i] = jnp.zeros((*jnp.shape(leaves[i - 1]), 0), _WITNESS_DTYPE)
         new_carry, result = owner.fn(*sig.unflatten(leaves))
         out_leaves, out_treedef = jax.tree_util.tree_flatten(new_carry)
         if out_treedef != sig.carry_treedef:
@@ -304,7 +320,7 @@ class _Plan:
             )
         ret, ret_pos, static_out = [], [], []
         slots: list[Any] = [None] * sig.n_carry  # on a mesh, see `__init__`
-        ref_pos = set(sig.ref_idx)
+        ref_pos, witnesses = set(sig.ref_idx), set(sig.witness_idx)
         for i, (o, inp) in enumerate(zip(out_leaves, leaves[: sig.n_carry])):
             if i in ref_pos:
                 if o is not inp:
@@ -315,6 +331,9 @@ class _Plan:
                 continue
             if o is inp and i not in self.returned_pos:
                 continue  # unchanged: the caller's own leaf is the output
+            if i in witnesses:
+                continue  # a shape marker (what a scan hands back for it): keep
+                # the caller's, of the same shape
             if isinstance(o, jax.Array):
                 # Returned as computed, weak type included (as `eqx.filter_jit`):
                 # an optimizer that makes a weakly typed parameter strong changes
