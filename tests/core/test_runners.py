@@ -313,3 +313,26 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
             step.scan(model, opt_state, xs, ys)
         else:
             step.own(model, opt_state)(xs[0], ys[0])
+
+
+def test_ref_mode_steps_interleaved_with_eager_writes_equal_value_mode():
+    """A ref-mode step puts its new arrays back into the same refs: eager reads and
+    writes between steps (a BatchNorm recalibration, a metric reset) see and
+    change what the next step reads, as the value-mode equivalent does."""
+    xs, ys = data()
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    ref = es.to_refs(Net(jax.random.key(0)))
+    val = Net(jax.random.key(0))
+    ref_opt, val_opt = step.init(ref), step.init(val)
+    alias = ref.bn  # another holder of the same refs
+    for x, y in zip(xs, ys):
+        ref, ref_opt = step(ref, ref_opt, x, y)
+        val, val_opt = step(val, val_opt, x, y)
+        np.testing.assert_array_equal(alias.running_mean[...], val.bn.running_mean[...])
+        ref.bn(ref.lin1(x))  # an eager training-mode call: writes in place
+        _, val = es.apply(lambda m, x: m.bn(m.lin1(x)), val, x)
+        es.reset(ref)  # the metric starts over, in place
+        val = es.reset(val)
+    for a, b in zip(arrays(ref), arrays(val)):
+        np.testing.assert_array_equal(a, b)
+    assert int(alias.num_batches_tracked[...]) == 2 * K
