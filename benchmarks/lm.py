@@ -1001,16 +1001,9 @@ class TorchEager(so.Runner):
         self.x, self.y = (
             torch.tensor(np.asarray(a), dtype=torch.long, device=dev) for a in data
         )
-        vocab = size.vocab
+        self._step = self._loop(F, self.model, self.opt.step, size.vocab)
 
-        def step():
-            loss = F.cross_entropy(self.model(self.x).view(-1, vocab), self.y.view(-1))
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        self._step = step
+    fused = True  # AdamW's fused kernel; torch.compile compiles the foreach one
 
     def _optimizer(self, torch):
         return torch.optim.AdamW(
@@ -1019,8 +1012,20 @@ class TorchEager(so.Runner):
             betas=BETAS,
             eps=ADAM_EPS,
             weight_decay=WEIGHT_DECAY,
-            fused=True,
+            **({"fused": True} if self.fused else {}),
         )
+
+    def _loop(self, F, model, opt_step, vocab):
+        """One training step: the same loop for the eager and compiled forms."""
+
+        def step():
+            loss = F.cross_entropy(model(self.x).view(-1, vocab), self.y.view(-1))
+            loss.backward()
+            opt_step()
+            self.opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
 
     def step(self):
         return _TorchLoss(self._step())
@@ -1049,27 +1054,11 @@ class TorchCompile(TorchEager):
         from torch.nn import functional as F
 
         super().__init__(size, params, data)
-        model = torch.compile(self.model)
-        opt_step = torch.compile(self.opt.step)
-        vocab = size.vocab
-
-        def step():
-            loss = F.cross_entropy(model(self.x).view(-1, vocab), self.y.view(-1))
-            loss.backward()
-            opt_step()
-            self.opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        self._step = step
-
-    def _optimizer(self, torch):
-        return torch.optim.AdamW(
-            self.model.parameters(),
-            lr=LR,
-            betas=BETAS,
-            eps=ADAM_EPS,
-            weight_decay=WEIGHT_DECAY,
+        self._step = self._loop(
+            F, torch.compile(self.model), torch.compile(self.opt.step), size.vocab
         )
+
+    fused = False
 
 
 VARIANTS: dict[str, type[Any]] = {

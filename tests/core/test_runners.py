@@ -336,3 +336,26 @@ def test_ref_mode_steps_interleaved_with_eager_writes_equal_value_mode():
     for a, b in zip(arrays(ref), arrays(val)):
         np.testing.assert_array_equal(a, b)
     assert int(alias.num_batches_tracked[...]) == 2 * K
+
+
+def test_ref_mode_steps_leave_the_source_model_and_a_deepcopy_alone():
+    """A ref-mode step writes new arrays into its refs, never into arrays anyone
+    else holds: the value-mode model `to_refs` started from (committed arrays,
+    which `device_put` does not copy) stays as it was, and a `copy.deepcopy` of the
+    ref-mode model is an independent state (checked against float64 NumPy)."""
+    import copy
+
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)
+    source = jax.tree.map(
+        lambda a: jax.device_put(a, jax.devices()[0]) if eqx.is_array(a) else a,
+        es.nn.BatchNorm(3),
+    )
+    model = es.to_refs(source)
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    model, _ = step(model, step.init(model), x)
+    np.testing.assert_array_equal(source.running_mean[...], np.zeros(3))
+    twin = copy.deepcopy(model)
+    twin, _ = step(twin, step.init(twin), 5 * jnp.ones((4, 3)))
+    first = 0.1 * np.asarray(x, np.float64).mean(0)
+    np.testing.assert_allclose(model.running_mean[...], first, rtol=1e-6)
+    np.testing.assert_allclose(twin.running_mean[...], 0.9 * first + 0.5, rtol=1e-6)
