@@ -44,8 +44,14 @@ from ._compat import (
     ref_buffer,
     set_ref_buffer,
 )
-from ._errors import RecompileWarning, StaleModelError, StepError, stale_message
-from ._modes import _WITNESS_DTYPE, check_no_shared_refs, path_str
+from ._errors import (
+    RecompileWarning,
+    StaleModelError,
+    StepError,
+    stale_message,
+    user_stacklevel,
+)
+from ._modes import _WITNESS_DTYPE, argument_name, check_no_shared_refs, path_str
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -583,7 +589,7 @@ class Compiled:
             "`optax.inject_hyperparams`, to change it without compiling. This "
             "warning is shown once per step (`eqx_state.RecompileWarning`).",
             RecompileWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -682,6 +688,9 @@ def _leaf_path(carry: tuple, i: int) -> str:
     return path.removesuffix(".value")
 
 
+_ARGS = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(1))
+
+
 def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
     """Readable names of some leaves of `(carry, args, kwargs)`: `opt_state...`,
     `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments."""
@@ -694,10 +703,8 @@ def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
         if path[0].idx == 0:  # type: ignore[attr-defined]
             head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"  # type: ignore[attr-defined]
             names.append(f"`{head}{jax.tree_util.keystr(path[2:])}`")
-        elif path[0].idx == 1:  # type: ignore[attr-defined]
-            names.append(f"`args{jax.tree_util.keystr(path[1:])}`")
-        else:
-            names.append(f"`kwargs{jax.tree_util.keystr(path[1:])}`")
+        else:  # the arguments: `(args, kwargs)` is the rest of the tree
+            names.append(f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`")  # type: ignore[attr-defined]
     return names
 
 

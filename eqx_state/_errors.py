@@ -7,6 +7,20 @@ ValueError` clauses keep working.
 """
 
 
+def user_stacklevel() -> int:
+    """`warnings.warn`'s `stacklevel` for the user's line that called into the
+    library, from the function that warns (frames of the package and of the
+    type-checking wrappers jaxtyping/beartype put around it are skipped)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith((package, "<"))):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def stale_message(what: str) -> str:
     """The one message for a model (or optimizer state) consumed by donation."""
     return (

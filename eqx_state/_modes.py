@@ -38,6 +38,13 @@ def path_str(path: tuple) -> str:
     return ".".join(map(key_name, path))
 
 
+def argument_name(path: tuple) -> str:
+    """A leaf of a call's `(args, kwargs)` named as the user passed it:
+    `args[2]`, `kwargs['weights']`, with the rest of its key path."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
+
+
 def _rebuild(buf: Buffer, **fields: Any) -> Buffer:
     """`buf` with some fields replaced, without running `__init__` (as unflattening
     does), so that any `Buffer` subclass works."""

@@ -19,7 +19,7 @@ import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
 from ._errors import StepError
-from ._modes import Made, refreeze, thaw, without_witnesses
+from ._modes import Made, argument_name, refreeze, thaw, without_witnesses
 
 
 def train_step(
@@ -358,8 +358,7 @@ def leading_axis(batch: tuple, what: str, fix: str) -> int:
     groups: dict[Any, list[str]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         n = jnp.shape(x)[0] if jnp.ndim(x) else None
-        head, rest = path[0], path[1:]
-        name = ("args" if head.idx == 0 else "kwargs") + jax.tree_util.keystr(rest)
+        name = argument_name(path)
         groups.setdefault(n, []).append(f"`{name}` {tuple(jnp.shape(x))}")
     if len(groups) == 1 and None not in groups:
         return next(iter(groups))

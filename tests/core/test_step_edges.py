@@ -93,6 +93,11 @@ def test_a_python_float_that_keeps_changing_warns_naming_the_leaf():
     assert "opt_state.hyperparams['learning_rate']" in messages[0]
     assert "jnp.asarray" in messages[0]
     assert step.trace_count == 4
+    # a keyword argument is named as passed
+    step = es.make_step(lambda m, x, y, scale: scale * _mse(m, x, y), opt, donate=False)
+    with pytest.warns(es.RecompileWarning, match=r"`kwargs\['scale'\]`"):
+        for scale in (1.0, 2.0, 3.0, 4.0):
+            step(model, state, x, y, scale=scale)
     # with an array: no new compilation, no warning
     step = es.make_step(_mse, opt, donate=False)
     state = step.init(model)
@@ -130,6 +135,35 @@ def test_a_runtime_error_of_the_first_step_is_reported_as_itself():
     step2(model, state, jnp.ones((4, 2)), jnp.zeros(4))
     with pytest.raises(es.StaleModelError, match="donate=False"):
         step2(model, state, jnp.ones((4, 2)), jnp.zeros(4))
+
+
+_USER_SCRIPT = """
+import jax, jax.numpy as jnp, optax, equinox as eqx, eqx_state as es
+m = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+step = es.make_step(lambda m, x, scale: scale * jnp.mean(jax.vmap(m)(x) ** 2),
+                    optax.sgd(0.1), donate=False)
+o = step.init(m)
+for s in (1.0, 2.0, 3.0, 4.0):
+    m, o = step(m, o, jnp.ones((2, 2)), scale=s)  # line 8
+"""
+
+
+def test_the_recompile_warning_points_at_the_users_call(tmp_path):
+    """Run as a user runs it (no type-checking import hook, which adds frames):
+    the warning names the line of the user's step call."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "user.py"
+    script.write_text(_USER_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-W", "always", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{script}:8: RecompileWarning" in out.stderr, out.stderr[-2000:]
 
 
 def test_an_assigned_hyperparameter_array_is_donated_as_documented():
