@@ -384,6 +384,15 @@ def _eqx_attention(blk, heads: int):
     return EqxMHA(_set_projections(mha, blk))
 
 
+def rows(linear: eqx.nn.Linear, x):
+    """`jax.vmap(linear)(x)` over the rows of `x` as one matmul: the same dot
+    products, without the transposes XLA's CPU backend puts around the per-row
+    form (measured: benchmarks/README.md, `lm.py`). Every Equinox-model variant
+    shares this model code."""
+    y = x @ linear.weight.T
+    return y if linear.bias is None else y + linear.bias
+
+
 class Block(eqx.Module):
     ln1: eqx.nn.LayerNorm
     attn: Any  # es.nn.CausalSelfAttention or EqxMHA
@@ -393,8 +402,8 @@ class Block(eqx.Module):
 
     def __call__(self, h):  # [seq, d]
         h = h + self.attn(jax.vmap(self.ln1)(h))
-        m = jax.nn.gelu(jax.vmap(self.fc1)(jax.vmap(self.ln2)(h)), False)
-        return h + jax.vmap(self.fc2)(m)
+        m = jax.nn.gelu(rows(self.fc1, jax.vmap(self.ln2)(h)), False)
+        return h + rows(self.fc2, m)
 
 
 class GPT(eqx.Module):
@@ -425,7 +434,7 @@ class GPT(eqx.Module):
         h = jax.vmap(self.tok)(tokens) + self.pos[: tokens.shape[0]]
         for blk in self.blocks:
             h = blk(h)
-        return jax.vmap(self.head)(jax.vmap(self.ln_f)(h))
+        return rows(self.head, jax.vmap(self.ln_f)(h))
 
 
 def gpt_loss(model, x, y):

@@ -102,12 +102,28 @@ class _Static:
 class _OutSpec:
     """What one trace learned about its outputs (travels back inside `_Static`)."""
 
-    __slots__ = ("ret_pos", "static_out", "result_static")
+    __slots__ = ("ret_pos", "static_out", "result_static", "_gather")
 
     def __init__(self, ret_pos, static_out, result_static):
         self.ret_pos = ret_pos
         self.static_out = static_out
         self.result_static = result_static
+        self._gather: Any = None
+
+    def new_carry(self, carry_leaves: list, ret: list) -> list:
+        """The new carry's leaves: `ret[j]` at position `ret_pos[j]`, the caller's
+        leaf elsewhere (one C-level gather per call, built on the first)."""
+        gather = self._gather
+        if gather is None:
+            n = len(carry_leaves)
+            src = list(range(n))
+            for j, i in enumerate(self.ret_pos):
+                src[i] = n + j
+            gather = self._gather = _getter(tuple(src))
+        out = gather([*carry_leaves, *ret])
+        for i, v in self.static_out:
+            out[i] = v
+        return out
 
 
 class _Signature:
@@ -547,11 +563,7 @@ class Compiled:
                 )
             raise
         spec = spec.value
-        out = list(carry_leaves)
-        for i, x in zip(spec.ret_pos, plan.returned(ret, spec)):
-            out[i] = x
-        for i, v in spec.static_out:
-            out[i] = v
+        out = spec.new_carry(carry_leaves, plan.returned(ret, spec))
         for i in sig.refbuf_idx:  # the new arrays go back into their refs
             ref, new = carry_leaves[i], out[i]
             if isinstance(new, Tracer):  # staged into an outer trace

@@ -184,7 +184,15 @@ def batches(cfg: Config, position: int, count: int):
 
 
 def per_token(layer, x):
-    """Apply a per-vector layer (`eqx.nn.Linear`, `LayerNorm`) to `[batch, seq, d]`."""
+    """Apply a per-vector layer (`eqx.nn.Linear`, `LayerNorm`) to `[batch, seq, d]`.
+
+    A `Linear` is applied as one matmul, `x @ weight.T + bias`: the same dot
+    products as `jax.vmap(jax.vmap(layer))(x)`, without the transposes XLA's CPU
+    backend adds around the per-vector form (about 15% of a training step of this
+    model, `benchmarks/README.md`, section `lm.py`)."""
+    if isinstance(layer, eqx.nn.Linear):
+        y = x @ layer.weight.T
+        return y if layer.bias is None else y + layer.bias
     return jax.vmap(jax.vmap(layer))(x)
 
 

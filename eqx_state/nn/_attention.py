@@ -16,16 +16,27 @@ from ._kv_cache import KVCache
 _M = TypeVar("_M")
 
 
+def _rows(proj: eqx.nn.Linear, x: Float[Array, "seq in"]) -> Float[Array, "seq out"]:
+    """`jax.vmap(proj)(x)` as one matmul: the same dot products, without the
+    transposes XLA's CPU backend adds around the per-row form (measured in
+    `benchmarks/README.md`, `lm.py`)."""
+    y = x @ proj.weight.T
+    return y if proj.bias is None else y + proj.bias
+
+
 def _attend(
     q: Float[Array, "q heads d"],
-    k: Float[Array, "heads t d"],
-    v: Float[Array, "heads t d"],
+    k: Float[Array, "..."],
+    v: Float[Array, "..."],
     mask: Bool[Array, "q t"],
+    kv_layout: str,
 ) -> Float[Array, "q heads d"]:
-    logits = jnp.einsum("qhd,htd->hqt", q, k) / math.sqrt(q.shape[-1])
+    # `kv_layout`: "khd" (the sequence's own keys, [t, heads, d]) or "hkd" (a
+    # cache's, [heads, max_len, d]); einsum contracts either without a transpose
+    logits = jnp.einsum(f"qhd,{kv_layout}->hqk", q, k) / math.sqrt(q.shape[-1])
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     weights = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("hqt,htd->qhd", weights, v)
+    return jnp.einsum(f"hqk,{kv_layout}->qhd", weights, v)
 
 
 class CausalSelfAttention(eqx.Module):
@@ -127,7 +138,7 @@ class CausalSelfAttention(eqx.Module):
         return self.cache.length
 
     def _heads(self, proj: eqx.nn.Linear, x: Array) -> Array:
-        return jax.vmap(proj)(x).reshape(x.shape[0], self.num_heads, self.head_dim)
+        return _rows(proj, x).reshape(x.shape[0], self.num_heads, self.head_dim)
 
     def __call__(
         self, x: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
@@ -156,15 +167,16 @@ class CausalSelfAttention(eqx.Module):
         k = self._heads(self.key_proj, x)
         v = self._heads(self.value_proj, x)
         if self.cache is None:
-            k, v = jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
             mask = jnp.tril(jnp.ones((seq, seq), bool))
+            layout = "khd"
         else:
             start, k, v = self.cache.append(k, v)
             query_pos = start + jnp.arange(seq, dtype=start.dtype)
             key_pos = jnp.arange(self.cache.max_len, dtype=start.dtype)
             mask = key_pos[None, :] <= query_pos[:, None]
-        out = _attend(q, k, v, mask).reshape(seq, self.embed_dim)
-        return jax.vmap(self.output_proj)(out)
+            layout = "hkd"
+        out = _attend(q, k, v, mask, layout).reshape(seq, self.embed_dim)
+        return _rows(self.output_proj, out)
 
 
 def _is_attn(x: Any) -> bool:
