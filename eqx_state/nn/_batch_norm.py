@@ -6,6 +6,7 @@ from collections.abc import Hashable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat
@@ -264,7 +265,10 @@ class BatchNorm(eqx.Module):
             size = axis_size(self.axis_name, "BatchNorm")
             total = jax.lax.psum(total, self.axis_name)
             n = n * size if mask is None else jax.lax.psum(n, self.axis_name)
-        nf = jnp.maximum(jnp.asarray(n, xc.dtype), 1)
+        if isinstance(n, int):  # no mask: the count is known while tracing
+            nf: Array | np.ndarray = np.asarray(max(n, 1), xc.dtype)
+        else:
+            nf = jnp.maximum(jnp.asarray(n, xc.dtype), 1)
         mean = total / nf
         dev = xc - mean.reshape(shape)
         sq = jnp.square(dev) if mask is None else jnp.where(mask, jnp.square(dev), 0)
@@ -359,23 +363,37 @@ class BatchNorm(eqx.Module):
         assert self.num_batches_tracked is not None
         count = self.num_batches_tracked[...] + 1
         self.num_batches_tracked[...] = count
+        dt = mean.dtype
         if self.momentum is None:
-            m = 1.0 / count.astype(mean.dtype)
-        else:
-            m = jnp.asarray(self.momentum, mean.dtype)
+            m: Array | np.ndarray = 1.0 / count.astype(dt)
+            keep: Array | np.ndarray = 1 - m
+        else:  # constants, computed in the statistics' dtype as the program would
+            m = np.asarray(self.momentum, dt)
+            keep = np.asarray(1, dt) - m
         rm, rv = self.running_mean, self.running_var
-        old_mean, old_var = rm[...].astype(mean.dtype), rv[...].astype(var.dtype)
-        new_mean = (1 - m) * old_mean + m * mean
-        if self.unbiased_running_var:
-            nf = jnp.asarray(n, var.dtype)
-            var = var * (nf / jnp.maximum(nf - 1, 1))
-        new_var = (1 - m) * old_var + m * var
-        # A channel with no entry (an empty batch, or all masked out) keeps its
-        # statistics, as PyTorch on an empty batch; one with a single masked-in
-        # entry has no unbiased variance: it keeps its running variance.
-        n = jnp.asarray(n)
-        new_mean = jnp.where(n > 0, new_mean, old_mean)
-        var_defined = n > (1 if self.unbiased_running_var else 0)
-        new_var = jnp.where(var_defined, new_var, old_var)
+        old_mean, old_var = rm[...].astype(dt), rv[...].astype(var.dtype)
+        new_mean = keep * old_mean + m * mean
+        if isinstance(n, int):
+            # No mask: every channel has the same count, known while tracing, so
+            # the guards below are decided here, not staged into the program.
+            if self.unbiased_running_var:
+                nf = np.asarray(n, var.dtype)
+                var = var * (nf / np.maximum(nf - 1, np.asarray(1, var.dtype)))
+            new_var = keep * old_var + m * var
+            if n == 0:
+                new_mean = old_mean
+            if n <= (1 if self.unbiased_running_var else 0):
+                new_var = old_var
+        else:
+            if self.unbiased_running_var:
+                nf = jnp.asarray(n, var.dtype)
+                var = var * (nf / jnp.maximum(nf - 1, 1))
+            new_var = keep * old_var + m * var
+            # A channel with no entry (all masked out) keeps its statistics, as
+            # PyTorch on an empty batch; one with a single masked-in entry has no
+            # unbiased variance: it keeps its running variance.
+            new_mean = jnp.where(n > 0, new_mean, old_mean)
+            var_defined = n > (1 if self.unbiased_running_var else 0)
+            new_var = jnp.where(var_defined, new_var, old_var)
         rm[...] = new_mean.astype(rm.dtype)
         rv[...] = new_var.astype(rv.dtype)

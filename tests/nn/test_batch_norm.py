@@ -345,6 +345,34 @@ def test_mask_with_an_empty_channel_keeps_its_statistics():
     assert int(bn.num_batches_tracked[...]) == 1
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_an_empty_batch_keeps_the_statistics_as_torch(mode):
+    """Zero examples (no mask: the count is a Python 0 while tracing): PyTorch
+    counts the batch and keeps its running statistics; so does the layer."""
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    tbn, bn = _torch_bn((4, 3)), es.nn.BatchNorm(3)
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    tbn(torch.from_numpy(x))
+    _, bn = _run(mode, bn, jnp.asarray(x))
+    before = [np.array(bn.running_mean[...]), np.array(bn.running_var[...])]
+    torch_before = [tbn.running_mean.clone().numpy(), tbn.running_var.clone().numpy()]
+    tbn(torch.zeros((0, 3)))
+    out, bn = _run(mode, bn, jnp.zeros((0, 3)))
+    assert out.shape == (0, 3)
+    for got, kept, want, torch_kept in zip(
+        (bn.running_mean[...], bn.running_var[...]),
+        before,
+        (tbn.running_mean.numpy(), tbn.running_var.numpy()),
+        torch_before,
+        strict=True,
+    ):
+        np.testing.assert_array_equal(want, torch_kept)  # torch keeps them
+        np.testing.assert_array_equal(got, kept)  # and so does the layer
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert int(bn.num_batches_tracked[...]) == int(tbn.num_batches_tracked) == 2
+
+
 def test_mask_errors():
     bn = es.to_refs(es.nn.BatchNorm(3))
     with pytest.raises(ValueError, match=r"mask of shape \(4,\) does not broadcast"):
