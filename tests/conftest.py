@@ -21,11 +21,13 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 # Many tests compile the same small programs (a parametrised case, the value and ref
 # modes of one model, the same example in two tests). JAX's persistent compilation
-# cache, in a directory made for this run and shared by its workers and subprocesses
-# (the environment variable is inherited), compiles each once: about 13% of the
-# default suite's time. It caches XLA's compiled code, keyed by the program, the
-# flags and the versions; tracing (what trace counts measure) still runs every time.
-# The directory goes with the run: a clean checkout starts from nothing.
+# cache, in a directory made for this run and shared by its workers (and by the
+# 4-device pytest subprocess, which loads this file too; the variable is inherited),
+# compiles each once: about 13% of the default suite's time. It caches XLA's
+# compiled code, keyed by the program, the flags and the versions; tracing (what
+# trace counts measure) still runs every time. The directory goes with the run: a
+# clean checkout starts from nothing. An entry read while the other worker is still
+# writing it is a miss (JAX warns and compiles): see pyproject's filterwarnings.
 _CACHE_ENV = "EQX_STATE_TEST_COMPILATION_CACHE"
 if _CACHE_ENV not in os.environ:
     import atexit

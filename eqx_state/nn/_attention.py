@@ -16,10 +16,14 @@ from ._kv_cache import KVCache
 _M = TypeVar("_M")
 
 
-def _rows(proj: eqx.nn.Linear, x: Float[Array, "seq in"]) -> Float[Array, "seq out"]:
-    """`jax.vmap(proj)(x)` as one matmul: the same dot products, without the
-    transposes XLA's CPU backend adds around the per-row form (measured in
-    `benchmarks/README.md`, `lm.py`)."""
+def _rows(proj: Any, x: Float[Array, "seq in"]) -> Float[Array, "seq out"]:
+    """`jax.vmap(proj)(x)`; for an `eqx.nn.Linear` (exactly: not a subclass with
+    its own `__call__`) as one matmul, the same dot products without the transposes
+    XLA's CPU backend adds around the per-row form (measured in
+    `benchmarks/README.md`, `lm.py`). Another projection (a wrapper put in with
+    `eqx.tree_at`, e.g. a low-rank adapter) is called per row."""
+    if type(proj) is not eqx.nn.Linear:
+        return jax.vmap(proj)(x)
     y = x @ proj.weight.T
     return y if proj.bias is None else y + proj.bias
 
@@ -137,7 +141,7 @@ class CausalSelfAttention(eqx.Module):
             return jnp.zeros((), jnp.int32)
         return self.cache.length
 
-    def _heads(self, proj: eqx.nn.Linear, x: Array) -> Array:
+    def _heads(self, proj: Any, x: Array) -> Array:
         return _rows(proj, x).reshape(x.shape[0], self.num_heads, self.head_dim)
 
     def __call__(

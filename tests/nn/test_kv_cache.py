@@ -79,6 +79,49 @@ def test_uncached_matches_torch_multihead_attention(attn, x):
     np.testing.assert_allclose(attn(x), want[0].detach().numpy(), atol=1e-5, rtol=1e-5)
 
 
+class _LowRank(eqx.Module):
+    """A projection that is not an `eqx.nn.Linear`: a frozen linear plus a low-rank
+    update (an adapter put in with `eqx.tree_at`)."""
+
+    base: eqx.nn.Linear
+    a: jax.Array
+    b: jax.Array
+
+    def __call__(self, v):
+        return self.base(v) + self.b @ (self.a @ v)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_projection_that_is_not_a_linear_is_called(attn, x, cached):
+    """Against a float64 NumPy forward with the adapter's effective weight."""
+    a = jax.random.normal(jax.random.key(2), (2, D))
+    b = jax.random.normal(jax.random.key(3), (D, 2))
+    model = eqx.tree_at(lambda m: m.value_proj, attn, _LowRank(attn.value_proj, a, b))
+    f64 = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    weights = {
+        n: (f64(getattr(attn, n).weight), f64(getattr(attn, n).bias))
+        for n in ("query_proj", "key_proj", "value_proj", "output_proj")
+    }
+    w, bias = weights["value_proj"]
+    weights["value_proj"] = (w + f64(b) @ f64(a), bias)
+    X = f64(x)
+    q, k, v = (
+        (X @ weights[n][0].T + weights[n][1]).reshape(len(X), H, D // H)
+        for n in ("query_proj", "key_proj", "value_proj")
+    )
+    logits = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(D // H)
+    logits = np.where(np.tril(np.ones((len(X), len(X)), bool)), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", p, v).reshape(len(X), D)
+    want = out @ weights["output_proj"][0].T + weights["output_proj"][1]
+    if cached:
+        got, _ = es.apply(lambda m, x: m(x), es.nn.with_kv_cache(model, 16), x)
+    else:
+        got = model(x)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_uncached_matches_equinox_multihead_attention(attn, x):
     mha = eqx.nn.MultiheadAttention(
         H,
