@@ -16,7 +16,19 @@ PAGES = sorted(p for p in DOCS.rglob("*.md")) + [DOCS.parent / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# Pages whose blocks train a model end to end: the slow run executes them (the
+# example they walk through runs by default in its own test, tests/examples/test_lm.py).
+SLOW_PAGES = {"language-model.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p
+        for p in PAGES
+    ],
+    ids=lambda p: p.name,
+)
 def test_code_blocks_run(page):
     blocks = BLOCK.findall(page.read_text())
     namespace: dict = {"__name__": f"docs_{page.stem}"}

@@ -153,6 +153,7 @@ def test_ensemble_vmap_tiny(capsys):
     assert "ensemble (mean probabilities) test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the headline without --scan: test_train_digits_tiny
 def test_train_digits_scan_tiny(capsys):
     """K steps per call (`step.scan`) trains the headline model exactly as K calls of
     the step: the example's own check (weights, statistics, EMA, metrics, optimizer

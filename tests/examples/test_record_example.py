@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _scripts import load_script
 
 
@@ -37,6 +38,7 @@ def _reference_history(example, init_std, lr, x, y, order, depth, width, seed):
     return np.array(std), np.array(dead)
 
 
+@pytest.mark.slow  # ~13 s; Record itself: tests/nn/test_record.py
 def test_diagnose_training_tiny(tmp_path, capsys):
     example = load_script("examples", "diagnose_training")
     result = example.main(["--tiny", "--out", str(tmp_path)])
