@@ -1101,6 +1101,10 @@ def performance_page(
         "how to read and reproduce them.",
         "",
     ]
+    merged = env.get("merged", [])
+    if merged:  # a rerun benchmark's numbers are its own run's, not the date above
+        lines += ["Rerun since, their tables replaced:", ""]
+        lines += [f"- {m}" for m in merged] + [""]
     for note in _caveats(payloads, env):
         lines += ["!!! warning", "", f"    {note}", ""]
     if tiny:
