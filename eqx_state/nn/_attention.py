@@ -16,13 +16,24 @@ from ._kv_cache import KVCache
 _M = TypeVar("_M")
 
 
-def _rows(proj: Any, x: Float[Array, "seq in"]) -> Float[Array, "seq out"]:
-    """`jax.vmap(proj)(x)`; for an `eqx.nn.Linear` (exactly: not a subclass with
-    its own `__call__`) as one matmul, the same dot products without the transposes
-    XLA's CPU backend adds around the per-row form (measured in
-    `benchmarks/README.md`, `lm.py`). Another projection (a wrapper put in with
-    `eqx.tree_at`, e.g. a low-rank adapter) is called per row."""
-    if type(proj) is not eqx.nn.Linear:
+def _rows(
+    proj: Any, x: Float[Array, "seq in"], matmul: bool
+) -> Float[Array, "seq out"]:
+    """`jax.vmap(proj)(x)`, or with `matmul` and an `eqx.nn.Linear` (exactly: not
+    a subclass with its own `__call__`) one matmul `x @ W.T + b`: the same dot
+    products. Both forms are the same function; they differ in what XLA's CPU
+    backend makes of them, measured (`benchmarks/README.md`, `lm.py`, and
+    `benchmarks/kv_cache.py`):
+
+    - the full forward (training): the per-row form puts transposes around every
+        matmul, 15-20% of a GPT's training step; the matmul form has none;
+    - decoding with a cache: with the matmul form XLA lays the attention out so
+        that it copies the cache on every call instead of updating it in place;
+        the per-row form does not.
+
+    Another projection (a wrapper put in with `eqx.tree_at`, e.g. a low-rank
+    adapter) is always called per row."""
+    if not matmul or type(proj) is not eqx.nn.Linear:
         return jax.vmap(proj)(x)
     y = x @ proj.weight.T
     return y if proj.bias is None else y + proj.bias
@@ -141,8 +152,9 @@ class CausalSelfAttention(eqx.Module):
             return jnp.zeros((), jnp.int32)
         return self.cache.length
 
-    def _heads(self, proj: Any, x: Array) -> Array:
-        return _rows(proj, x).reshape(x.shape[0], self.num_heads, self.head_dim)
+    def _heads(self, proj: Any, x: Array, matmul: bool) -> Array:
+        y = _rows(proj, x, matmul)
+        return y.reshape(x.shape[0], self.num_heads, self.head_dim)
 
     def __call__(
         self, x: Float[Array, "seq embed"], *, key: PRNGKeyArray | None = None
@@ -167,9 +179,10 @@ class CausalSelfAttention(eqx.Module):
                 "`jax.vmap(attn)(x)`."
             )
         seq = x.shape[0]
-        q = self._heads(self.query_proj, x)
-        k = self._heads(self.key_proj, x)
-        v = self._heads(self.value_proj, x)
+        matmul = self.cache is None  # see `_rows`
+        q = self._heads(self.query_proj, x, matmul)
+        k = self._heads(self.key_proj, x, matmul)
+        v = self._heads(self.value_proj, x, matmul)
         if self.cache is None:
             mask = jnp.tril(jnp.ones((seq, seq), bool))
             layout = "khd"
@@ -180,7 +193,7 @@ class CausalSelfAttention(eqx.Module):
             mask = key_pos[None, :] <= query_pos[:, None]
             layout = "hkd"
         out = _attend(q, k, v, mask, layout).reshape(seq, self.embed_dim)
-        return _rows(self.output_proj, out)
+        return _rows(self.output_proj, out, matmul)
 
 
 def _is_attn(x: Any) -> bool:
