@@ -39,6 +39,25 @@ def update_all(metrics, mode, p, y, mask=None):
     return _update_all(metrics, p, y, mask)
 
 
+def binary_pairs(**kw):
+    """Each binary metric beside its torchmetrics counterpart, built with `kw`."""
+    metrics = [
+        esm.Accuracy(**kw),
+        esm.Precision(**kw),
+        esm.Recall(**kw),
+        esm.F1(**kw),
+        esm.ConfusionMatrix(2, **kw),
+    ]
+    refs = [
+        tc.BinaryAccuracy(**kw),
+        tc.BinaryPrecision(**kw),
+        tc.BinaryRecall(**kw),
+        tc.BinaryF1Score(**kw),
+        tc.BinaryConfusionMatrix(**kw),
+    ]
+    return metrics, refs
+
+
 def check(metrics, refs, mode, p, y):
     """One pass over `(p, y)`, and the merge of two halves (two updates), equal
     the torchmetrics metrics `refs` (given the same data in one, then two calls)."""
@@ -72,20 +91,7 @@ def test_ignore_index_binary(mode, ignore):
     if ignore == -1:
         y[[1, 4, 9, 17, 20]] = -1
     kw = dict(threshold=0.5, ignore_index=ignore)
-    metrics = [
-        esm.Accuracy(**kw),
-        esm.Precision(**kw),
-        esm.Recall(**kw),
-        esm.F1(**kw),
-        esm.ConfusionMatrix(2, **kw),
-    ]
-    refs = [
-        tc.BinaryAccuracy(**kw),
-        tc.BinaryPrecision(**kw),
-        tc.BinaryRecall(**kw),
-        tc.BinaryF1Score(**kw),
-        tc.BinaryConfusionMatrix(**kw),
-    ]
+    metrics, refs = binary_pairs(**kw)
     whole = check(metrics, refs, mode, p, y)
     # the ignored examples change nothing: the same metrics on the kept ones alone
     keep = y != ignore
@@ -171,20 +177,7 @@ def test_binary_logits_are_passed_through_a_sigmoid(mode):
     # torchmetrics decides per call (the merged halves equal its two calls)
     logits[12:] = rng.random(12).astype(np.float32)
     kw = dict(threshold=0.5)
-    metrics = [
-        esm.Accuracy(**kw),
-        esm.Precision(**kw),
-        esm.Recall(**kw),
-        esm.F1(**kw),
-        esm.ConfusionMatrix(2, **kw),
-    ]
-    refs = [
-        tc.BinaryAccuracy(**kw),
-        tc.BinaryPrecision(**kw),
-        tc.BinaryRecall(**kw),
-        tc.BinaryF1Score(**kw),
-        tc.BinaryConfusionMatrix(**kw),
-    ]
+    metrics, refs = binary_pairs(**kw)
     whole = check(metrics, refs, mode, logits, y)
     # by hand: the whole batch (it has values outside [0, 1]) through a sigmoid
     hard = (1 / (1 + np.exp(-logits.astype(np.float64))) > 0.5).astype(int)
