@@ -89,6 +89,16 @@ def run(runner, mode, optimizer=None, make_opt_state=None):
     return model, opt_state, losses
 
 
+def first_call(runner, step, model, opt_state, *stacked):
+    """The runner's first call on `stacked` arguments (`[K, ...]`): one step on
+    slice 0, the scan over all K, or the owned loop's first step."""
+    if runner == "step":
+        return step(model, opt_state, *(a[0] for a in stacked))
+    if runner == "scan":
+        return step.scan(model, opt_state, *stacked)
+    return step.own(model, opt_state)(*(a[0] for a in stacked))
+
+
 def reference(opt):
     """The same K steps, threaded by hand in pure JAX over the same layers."""
     net = Net(jax.random.key(0))
@@ -249,12 +259,7 @@ def test_a_cell_in_aux_is_refused_by_every_runner(runner, mode):
     opt_state = step.init(model)
     xs, ys = data()
     with pytest.raises(es.StepError, match=r"`aux` holds a state cell"):
-        if runner == "step":
-            step(model, opt_state, xs[0], ys[0])
-        elif runner == "scan":
-            step.scan(model, opt_state, xs, ys)
-        else:
-            step.own(model, opt_state)(xs[0], ys[0])
+        first_call(runner, step, model, opt_state, xs, ys)
 
 
 def test_a_cell_in_an_apply_output_is_refused_alike():
@@ -289,12 +294,7 @@ def test_shared_refs_are_refused_by_every_runner(runner):
     opt_state = step.init(model)
     x = jnp.ones((K, 4, 3))
     with pytest.raises(es.StateError, match=r"same ref is at two places"):
-        if runner == "step":
-            step(model, opt_state, x[0])
-        elif runner == "scan":
-            step.scan(model, opt_state, x)
-        else:
-            step.own(model, opt_state)(x[0])
+        first_call(runner, step, model, opt_state, x)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -307,12 +307,7 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
     xs, ys = data()
     step(model, opt_state, xs[0], ys[0])  # consumes the arrays given to it
     with pytest.raises(es.StaleModelError):
-        if runner == "step":
-            step(model, opt_state, xs[0], ys[0])
-        elif runner == "scan":
-            step.scan(model, opt_state, xs, ys)
-        else:
-            step.own(model, opt_state)(xs[0], ys[0])
+        first_call(runner, step, model, opt_state, xs, ys)
 
 
 def test_ref_mode_steps_interleaved_with_eager_writes_equal_value_mode():
