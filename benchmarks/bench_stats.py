@@ -196,3 +196,16 @@ def fit_many(
             pairs[N] = (t, b)
         out[name] = growth(pairs)
     return out
+
+
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1
+) -> list[str]:
+    """A Markdown table, the first `left` columns left-aligned, the others right
+    (every benchmark's report uses it)."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(align) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]

@@ -1316,17 +1316,6 @@ def _cell(r: dict[str, Any] | None, limit: float) -> str:
     return f"{stats.fmt_ratio(r)} {stats.verdict(r['ci'], limit)}"
 
 
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1
-) -> list[str]:
-    align = ["---"] * left + ["---:"] * (len(header) - left)
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(align) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
 def size_table(res: dict[str, Any]) -> list[str]:
     """One row per variant: tokens/s, µs per step and per call, × pure_jax
     pipelined and blocking [95% CI], first-call seconds."""
@@ -1352,7 +1341,7 @@ def size_table(res: dict[str, Any]) -> list[str]:
         cls = VARIANTS.get(name)
         fam = cls.family if cls else "-"
         out.append([f"`{name}`", fam, "-", "not timed: " + why, "", "", "", "", ""])
-    return _table(
+    return stats.markdown_table(
         [
             "variant",
             "family",
@@ -1414,7 +1403,9 @@ def render(payload: dict[str, Any], level: int = 2) -> list[str]:
         "",
         f"{h} Language-model targets",
         "",
-        *_table(["size", "measure", "target", "measured"], targets(result), left=3),
+        *stats.markdown_table(
+            ["size", "measure", "target", "measured"], targets(result), left=3
+        ),
         "",
         "✓: the interval lies inside the target; ✗: outside; ?: it straddles it.",
         "",
@@ -1435,7 +1426,7 @@ def render(payload: dict[str, Any], level: int = 2) -> list[str]:
     lines += [
         f"{h} Language-model variants",
         "",
-        *_table(
+        *stats.markdown_table(
             ["variant", "family", "usage", "exact form", "where recommended"],
             [
                 [f"`{n}`", c.family, c.usage, f"`{c.form}`", c.source]

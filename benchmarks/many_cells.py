@@ -84,14 +84,6 @@ def fit(by_n: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 # Reporting
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|---|" + "---:|" * (len(header) - 1),
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
 def _growth_row(label: str, f: dict[str, Any] | None, unit: str) -> list[str]:
     stats = _step_overhead().stats
     if f is None:
@@ -139,18 +131,20 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "## µs per step (median) and × pure JAX [95% CI], pipelined",
         "",
-        *_table(["variant", *cols], [[n, *(cell(N, n) for N in ns)] for n in names]),
+        *_step_overhead().stats.markdown_table(
+            ["variant", *cols], [[n, *(cell(N, n) for N in ns)] for n in names]
+        ),
         "",
         "## The same, blocking on every step",
         "",
-        *_table(
+        *_step_overhead().stats.markdown_table(
             ["variant", *cols],
             [[n, *(cell(N, n, "blocking_") for N in ns)] for n in names],
         ),
         "",
         "## Overhead over pure JAX and its growth (pipelined)",
         "",
-        *_table(
+        *_step_overhead().stats.markdown_table(
             growth_header,
             [
                 _growth_row(
@@ -164,7 +158,7 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "## Overhead over pure JAX and its growth (blocking)",
         "",
-        *_table(
+        *_step_overhead().stats.markdown_table(
             growth_header,
             [
                 _growth_row(
@@ -181,7 +175,7 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         lines += [
             f"## eqx_state against `{LIMIT}` (issue 11: grows no faster)",
             "",
-            *_table(
+            *_step_overhead().stats.markdown_table(
                 growth_header,
                 [
                     _growth_row(f"{n} − {LIMIT}", f, " µs/BN")
@@ -193,7 +187,7 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += [
         "## Compile time (first call, s)",
         "",
-        *_table(
+        *_step_overhead().stats.markdown_table(
             ["variant", *cols],
             [
                 [

@@ -588,18 +588,6 @@ def _compile_cell(payloads: dict[str, dict[str, Any]], name: str, tiny: bool) ->
 # Rendering
 
 
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1
-) -> list[str]:
-    """A Markdown table, the first `left` columns left-aligned, the others right."""
-    align = ["---"] * left + ["---:"] * (len(header) - left)
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(align) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-
-
 TARGETS_LEGEND = (
     "Each ratio is the median over rounds of the same-round ratio, with its "
     "bootstrap 95% interval in brackets. ✓: the interval lies inside the target; ✗: "
@@ -621,7 +609,7 @@ def render_targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[str]
             "numbers only show that the report is complete.",
             "",
         ]
-    lines += _table(
+    lines += stats.markdown_table(
         [
             "issue",
             "workload",
@@ -683,7 +671,7 @@ def peers_table(
             cells.append(stats.fmt_ratio(ratio(rows, name, prefix=prefix)))
         m = variant_meta(step[next(s for s in sizes if name in step[s])][name], name)
         out.append([f"`{name}`", m["family"], m["usage"], *cells])
-    return _table(["variant", "family", "usage", *sizes], out, left=3)
+    return stats.markdown_table(["variant", "family", "usage", *sizes], out, left=3)
 
 
 def render_step_overhead(result: dict[str, Any]) -> list[str]:
@@ -726,7 +714,7 @@ def render_step_overhead(result: dict[str, Any]) -> list[str]:
             "-" if blocking is None else f"{blocking:.1f}"
         )
 
-    lines += _table(
+    lines += stats.markdown_table(
         ["variant", *result],
         [[n, *(cell(rows, n) for rows in result.values())] for n in names],
     )
@@ -753,7 +741,7 @@ def render_compile(result: dict[str, Any]) -> list[str]:
         )
         return f"{rows[n]['compile_s']:.2f} ({stats.fmt_ratio(stats.ratio_summary(samples, base))})"
 
-    return lines + _table(
+    return lines + stats.markdown_table(
         ["variant", *result],
         [[n, *(cell(rows, n) for rows in result.values())] for n in names],
     )
@@ -796,7 +784,7 @@ def render_many_cells(
             return "-"
         return f"{rows[name]['median_us']:.0f} ({stats.fmt_ratio(ratio(rows, name))})"
 
-    lines += _table(
+    lines += stats.markdown_table(
         ["variant", *(f"N = {n}" for n in ns)],
         [[name, *(cell(n, name) for n in ns)] for name in names],
     )
@@ -841,7 +829,7 @@ def render_many_cells(
                     _exponent_text(f),
                 ]
             )
-    lines += _table(
+    lines += stats.markdown_table(
         ["variant", "overhead per N (µs)", "slope b [95% CI]", "exponent k [95% CI]"],
         growth_rows,
     )
@@ -873,7 +861,7 @@ def render_kv_cache(result: dict[str, Any]) -> list[str]:
                 "-" if peak is None else f"{peak:.1f}",
             ]
         )
-    return lines + _table(
+    return lines + stats.markdown_table(
         ["variant", "µs/token, × hand-written", "XLA extra MB", "peak MB"], rows
     )
 
@@ -906,7 +894,9 @@ def render_scaling(result: dict[str, Any]) -> list[str]:
                     stats.fmt_ratio(stats.ratio_summary(ts, base)),
                 ]
             )
-    return lines + _table(["devices × variant", "steps/s", "× pure JAX"], rows)
+    return lines + stats.markdown_table(
+        ["devices × variant", "steps/s", "× pure JAX"], rows
+    )
 
 
 def render_lm(result: dict[str, Any], level: int = 3) -> list[str]:
@@ -950,7 +940,7 @@ def render_variants(payloads: dict[str, dict[str, Any]]) -> list[str]:
         "recommend; *default usage*: the form their docs start from and most users "
         "write.",
         "",
-        *_table(
+        *stats.markdown_table(
             ["variant", "family", "usage", "exact form", "where recommended"], rows
         ),
     ]
@@ -1197,7 +1187,7 @@ def readme_block(
         "median of same-round ratios [bootstrap 95% interval]; ✓ only when the "
         "interval is inside the target, ? when the run cannot tell.",
         "",
-        *_table(
+        *stats.markdown_table(
             ["issue", "workload", "measure", "target", "value mode", "ref mode"],
             targets(payloads, tiny),
             left=4,
