@@ -33,17 +33,6 @@ def _load(name: str):
     return load_script("benchmarks", name)
 
 
-@pytest.fixture
-def fast_compiles():
-    """Most XLA optimisations off, as in `run.py --tiny` (numbers, not timings)."""
-    import jax
-
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 @pytest.fixture(scope="module")
 def so():
     return _load("step_overhead")

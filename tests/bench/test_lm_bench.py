@@ -22,17 +22,6 @@ TINY = lm.SIZES["tiny"]
 FAST = ["es_step", "es_scan", "torch_eager"]
 
 
-@pytest.fixture
-def fast_compiles():
-    """Most XLA optimisations off, as in `run.py --tiny` (numbers, not timings)."""
-    import jax
-
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 def test_every_fast_variant_passes_the_gate(fast_compiles):
     torch.set_num_threads(1)
     runners, info, failed = lm.build_and_check(TINY, FAST)
