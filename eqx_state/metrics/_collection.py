@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import ArrayLike, Shaped
 
+from .._buffer import fast_getattribute
 from .._errors import StateTypeError, StateValueError
 from ._base import Metric
 
@@ -49,6 +50,8 @@ class Metrics(eqx.Module):
 
     metrics: dict[str, Metric | Metrics]
     names: tuple[str, ...] = eqx.field(static=True)
+
+    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, metrics: dict[str, Any] | None = None, /, **named: Any):
         members = dict(metrics or {})

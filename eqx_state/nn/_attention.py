@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._buffer import Cache, is_state
+from .._buffer import Cache, fast_getattribute, is_state
 from .._errors import StateValueError
 from ._kv_cache import KVCache
 
@@ -110,6 +110,8 @@ class CausalSelfAttention(eqx.Module):
     embed_dim: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+
+    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat
+from .._buffer import BatchStat, fast_getattribute
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._flag import inference_flag
@@ -115,6 +115,8 @@ class BatchNorm(eqx.Module):
     zero_debias: bool = eqx.field(static=True)
     unbiased_running_var: bool = eqx.field(static=True)
     inference: bool
+
+    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._buffer import CounterState
+from .._buffer import CounterState, fast_getattribute
 from .._errors import StateTypeError
 from ._flag import inference_flag
 
@@ -34,6 +34,8 @@ class Counter(eqx.Module):
 
     count: CounterState
     inference: bool = False
+
+    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
         self.count = CounterState(jnp.asarray(start, dtype=dtype), init=int(start))

@@ -111,3 +111,54 @@ def test_resetting_batch_stats_leaves_every_other_state_alone(mode):
         for c, v in zip(_cells(model, k), values):
             np.testing.assert_array_equal(c[...], v)
     assert int(model.steps.value) == 2 and int(model.ema.steps) == 2
+
+
+def _library_layers():
+    import eqx_state.metrics as metrics
+    import eqx_state.nn as nn
+
+    classes = {
+        obj
+        for mod in (nn, metrics)
+        for obj in vars(mod).values()
+        if isinstance(obj, type)
+        and issubclass(obj, eqx.Module)
+        and not issubclass(obj, es.Buffer)
+    }
+    return sorted(classes, key=lambda c: c.__name__)
+
+
+def test_library_layers_flatten_through_the_fast_dict_read_and_keep_bound_methods():
+    # Every library layer reads `__dict__` (what Equinox's flatten reads per module,
+    # per step) without Equinox's bound-method hook; everything else goes through the
+    # hook, so a method taken from a layer is still a pytree (`jax.jit(layer.method)`
+    # traces the layer's arrays instead of baking them in).
+    from eqx_state._buffer import fast_getattribute
+
+    layers = _library_layers()
+    assert {"BatchNorm", "Metric", "Metrics", "EMA", "KVCache"} <= {
+        c.__name__ for c in layers
+    }
+    slow = [c.__name__ for c in layers if c.__getattribute__ is not fast_getattribute]
+    assert not slow, f"layers flattened through Equinox's slower hook: {slow}"
+
+    class Scaled(es.nn.BatchNorm):  # a user's subclass with a method of its own
+        def scaled(self, x):
+            return x * self.weight
+
+    bn = Scaled(3)
+    assert fast_getattribute(bn, "__dict__") is object.__getattribute__(bn, "__dict__")
+    method = bn.scaled
+    assert type(method) is type(eqx.Module.__getattribute__(bn, "scaled"))
+    assert jax.tree.leaves(method), "a bound method must carry the layer's arrays"
+    out = eqx.filter_jit(lambda f, x: f(x))(method, np.ones(3, np.float32))
+    np.testing.assert_array_equal(out, np.ones(3, np.float32))
+    new = eqx.tree_at(lambda m: m.weight, bn, 2 * bn.weight)
+    out = eqx.filter_jit(lambda f, x: f(x))(new.scaled, np.ones(3, np.float32))
+    np.testing.assert_array_equal(out, np.full(3, 2, np.float32))  # not baked in
+
+    model = Zoo(jax.random.key(0))
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert eqx.tree_equal(back, model)
+    assert jax.tree_util.tree_structure(back) == treedef
