@@ -58,14 +58,15 @@ def getkey():
 
 
 # tests/multidevice/ needs 4 devices set up before JAX starts: it runs in its own
-# process from tests/test_multidevice.py.
+# process from tests/distributed/test_multidevice.py.
 collect_ignore = ["multidevice"]
 
 
-# Two workers (`-n 2 --dist loadfile`: a file's tests share one process, and so
-# its compiled programs and module fixtures). The files with the longest single
-# tests (subprocesses on 4 devices or several processes) and the largest files
-# start first, so that the workers do not end with one of them running alone.
+# Two workers (`-n 2 --dist worksteal`: an idle worker takes tests from the other's
+# queue, so neither ends alone; compiled programs are shared through the run's
+# persistent compilation cache below). The files with the longest single tests
+# (subprocesses on 4 devices or several processes) and the largest files start
+# first.
 _LONG_FIRST = (
     "test_multidevice.py",
     "test_multiprocess.py",
