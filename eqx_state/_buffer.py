@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Hashable, Iterator
-from typing import Any
+from typing import Any, no_type_check
 
 import equinox as eqx
 import jax
@@ -50,22 +50,44 @@ MAPPED_AXES: contextvars.ContextVar[tuple[Hashable | None, ...]] = (
 
 _object_getattribute = object.__getattribute__
 _module_getattribute = eqx.Module.__getattribute__
+_PLAIN_DICT_READ: dict[type, bool] = {}
 
 
-def fast_getattribute(self: Any, name: str, /) -> Any:
-    """`eqx.Module.__getattribute__` with a shortcut for `__dict__`, for the library's
-    layers (`__getattribute__ = fast_getattribute` in the class body).
+class _LayerBase(eqx.Module):
+    """The base of the library's layers: an `eqx.Module` that is cheaper to flatten.
 
-    Equinox's generated flatten reads `obj.__dict__` twice per module; through
-    Equinox's hook (which makes bound methods pytrees) that costs ~0.3 us a read, and
-    a step flattens and unflattens every layer of the model and of the optimizer's
-    model-shaped state on every call. For `__dict__` the hook returns what
-    `object.__getattribute__` returns (a magic name is never bound); every other
-    name goes through the hook, so `layer.method` is still Equinox's `BoundMethod`.
+    Equinox's generated flatten reads a module's `__dict__` twice, through
+    `Module.__getattribute__` (a Python hook that turns bound methods into pytrees);
+    a step flattens and rebuilds every layer of the model and of the optimizer's
+    model-shaped state on every call. For `__dict__` that hook returns what
+    `object.__getattribute__` returns (a magic name is never bound), so a layer
+    reads it directly, unless a class below this one in the method resolution order
+    has a `__getattribute__` of its own (a user's mixin): then, as for every other
+    name, the read goes down the chain (`super()`), so `layer.method` is still
+    Equinox's `BoundMethod` and every hook sees what it saw before.
     """
-    if name == "__dict__":
-        return _object_getattribute(self, name)
-    return _module_getattribute(self, name)
+
+    @no_type_check  # called for every attribute read: keep it unwrapped in tests
+    def __getattribute__(self, name: str, /) -> Any:
+        if name == "__dict__":
+            cls = type(self)
+            plain = _PLAIN_DICT_READ.get(cls)
+            if plain is None:
+                plain = _PLAIN_DICT_READ[cls] = _plain_dict_read(cls)
+            if plain:
+                return _object_getattribute(self, name)
+        return super().__getattribute__(name)
+
+
+def _plain_dict_read(cls: type) -> bool:
+    """Whether below `_LayerBase` in `cls`'s method resolution order only Equinox's
+    and `object`'s `__getattribute__` are defined."""
+    mro = cls.__mro__
+    return all(
+        c.__dict__.get("__getattribute__")
+        in (None, _module_getattribute, _object_getattribute)
+        for c in mro[mro.index(_LayerBase) + 1 :]
+    )
 
 
 class Buffer(eqx.Module):

@@ -64,7 +64,7 @@ collect_ignore = ["multidevice"]
 
 # Two workers (`-n 2 --dist worksteal`: an idle worker takes tests from the other's
 # queue, so neither ends alone; compiled programs are shared through the run's
-# persistent compilation cache below). The files with the longest single tests
+# persistent compilation cache above). The files with the longest single tests
 # (subprocesses on 4 devices or several processes) and the largest files start
 # first.
 _LONG_FIRST = (

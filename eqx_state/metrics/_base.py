@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MetricState, fast_getattribute, is_state
+from .._buffer import MetricState, _LayerBase, is_state
 from .._errors import (
     StateNotImplementedError,
     StateTypeError,
@@ -444,7 +444,7 @@ def _fold(
 # ----------------------------------------------------------------------- Metric
 
 
-class Metric(eqx.Module):
+class Metric(_LayerBase):
     """The base class of all metrics: a stateful layer whose statistics — sums,
     counts, extremes, a confusion matrix — are [`eqx_state.MetricState`][] cells.
 
@@ -519,8 +519,6 @@ class Metric(eqx.Module):
     """
 
     axis_name: Hashable | None = eqx.field(static=True, default=None, kw_only=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init_subclass__(cls, **kwargs: Any):
         # A statistic given as a field's default becomes a default factory, so that

@@ -8,7 +8,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import ArrayLike, Shaped
 
-from .._buffer import fast_getattribute
+from .._buffer import _LayerBase
 from .._errors import StateTypeError, StateValueError
 from ._base import Metric
 
@@ -16,7 +16,7 @@ from ._base import Metric
 _RESERVED = ("mask",)
 
 
-class Metrics(eqx.Module):
+class Metrics(_LayerBase):
     """A named collection of metrics: one `update` call updates several of them, one
     `compute` call returns a dict, in the order the metrics were given (kept as a
     static field, so it survives `eqx.partition` / `eqx.combine`, `jax.tree.map` and
@@ -50,8 +50,6 @@ class Metrics(eqx.Module):
 
     metrics: dict[str, Metric | Metrics]
     names: tuple[str, ...] = eqx.field(static=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, metrics: dict[str, Any] | None = None, /, **named: Any):
         members = dict(metrics or {})

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .._buffer import Cache, fast_getattribute, is_state
+from .._buffer import Cache, _LayerBase, is_state
 from .._errors import StateValueError
 from ._kv_cache import KVCache
 
@@ -54,7 +54,7 @@ def _attend(
     return jnp.einsum(f"hqk,{kv_layout}->qhd", weights, v)
 
 
-class CausalSelfAttention(eqx.Module):
+class CausalSelfAttention(_LayerBase):
     """Multi-head causal self-attention that decodes with a [`eqx_state.nn.KVCache`][]
     kept inside the layer.
 
@@ -110,8 +110,6 @@ class CausalSelfAttention(eqx.Module):
     embed_dim: int = eqx.field(static=True)
     num_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat, fast_getattribute
+from .._buffer import BatchStat, _LayerBase
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._flag import inference_flag
 
 
-class BatchNorm(eqx.Module):
+class BatchNorm(_LayerBase):
     r"""Batch normalisation with PyTorch's semantics and state kept in cells.
 
     On a batch `x` of shape `[N, C, *spatial]` (channel axis 1, configurable) it
@@ -115,8 +115,6 @@ class BatchNorm(eqx.Module):
     zero_debias: bool = eqx.field(static=True)
     unbiased_running_var: bool = eqx.field(static=True)
     inference: bool
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

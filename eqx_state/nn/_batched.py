@@ -6,14 +6,14 @@ from typing import Any, Generic, TypeVar
 import equinox as eqx
 import jax
 
-from .._buffer import fast_getattribute
+from .._buffer import _LayerBase
 from .._errors import StateTypeError, StateValueError
 
 
 _Layer = TypeVar("_Layer")
 
 
-class Batched(eqx.Module, Generic[_Layer]):
+class Batched(_LayerBase, Generic[_Layer]):
     """Map a one-example Equinox layer over the leading batch axis (or axes).
 
     Equinox's layers take one example (`eqx.nn.Linear` wants `[in_features]`,
@@ -64,8 +64,6 @@ class Batched(eqx.Module, Generic[_Layer]):
 
     layer: _Layer
     batch_dims: int = eqx.field(static=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, layer: _Layer, *, batch_dims: int = 1):
         if not callable(layer):

@@ -1,16 +1,15 @@
 from __future__ import annotations
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._buffer import CounterState, fast_getattribute
+from .._buffer import CounterState, _LayerBase
 from .._errors import StateTypeError
 from ._flag import inference_flag
 
 
-class Counter(eqx.Module):
+class Counter(_LayerBase):
     """An integer counter kept as state: the seed tutorial's counter as a layer.
 
     `increment()` adds one (or `by`) and returns the new count; `value` reads it. In
@@ -34,8 +33,6 @@ class Counter(eqx.Module):
 
     count: CounterState
     inference: bool = False
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
         self.count = CounterState(jnp.asarray(start, dtype=dtype), init=int(start))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
-from .._buffer import AverageState, _is_param, fast_getattribute, is_state, params
+from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
 from .._errors import StateValueError
 from ._flag import inference_flag
 from ._kv_cache import KVCache
@@ -16,7 +16,7 @@ from ._kv_cache import KVCache
 _Model = TypeVar("_Model")
 
 
-class EMA(eqx.Module):
+class EMA(_LayerBase):
     r"""An exponential moving average (Polyak average) of a model's parameters, kept
     as state.
 
@@ -130,8 +130,6 @@ class EMA(eqx.Module):
     warmup_length: int = eqx.field(static=True)
     dynamic_decay: bool = eqx.field(static=True)
     inference: bool
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import core as jax_core
 from jaxtyping import Array, Float, Int
 
-from .._buffer import Cache, fast_getattribute
+from .._buffer import Cache, _LayerBase
 from .._errors import StateTypeError, StateValueError, StateWriteError
 
 
@@ -24,7 +24,7 @@ def _overflow_message(max_len: int) -> str:
     )
 
 
-class KVCache(eqx.Module):
+class KVCache(_LayerBase):
     """The keys and values of past positions for autoregressive decoding, kept as
     [`eqx_state.Cache`][] cells: `keys` and `values` of shape
     `[num_heads, max_len, head_dim]` and an integer `cursor`, the number of
@@ -116,8 +116,6 @@ class KVCache(eqx.Module):
     cursor: Cache
     max_len: int = eqx.field(static=True)
     on_overflow: Literal["raise", "nan"] = eqx.field(static=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._buffer import RecordState, _is_ref, fast_getattribute, is_state
+from .._buffer import RecordState, _is_ref, _LayerBase, is_state
 from .._errors import StateTypeError, StateValueError, StateWriteError
 from .._modes import freeze
 from .._vmap import mapped_axes
@@ -82,7 +82,7 @@ def _not_writable(recorder: str) -> StateWriteError:
     )
 
 
-class Recorder(eqx.Module):
+class Recorder(_LayerBase):
     """The base class of the layers that record a model's intermediates:
     [`eqx_state.nn.Record`][] (streaming statistics) and [`eqx_state.nn.Capture`][]
     (the last value). Use it to select them:
@@ -114,8 +114,6 @@ class Recorder(eqx.Module):
     """
 
     inference: eqx.AbstractVar[bool]
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def read(self) -> dict[str, Array]:
         """What this recorder holds, by name (`""` for the recorder itself): the

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 
-from .._buffer import RngState, fast_getattribute
+from .._buffer import RngState, _LayerBase
 from .._errors import StateTypeError, StateValueError, StateWriteError
 from .._vmap import mapped_axes
 from ._flag import inference_flag
@@ -54,7 +54,7 @@ _VMAP_HINT = (
 )
 
 
-class Rng(eqx.Module):
+class Rng(_LayerBase):
     """A random stream kept as state: a PRNG key in an [`eqx_state.RngState`][] cell,
     advanced on every draw, so that layers get fresh randomness on every call
     without any key plumbing.
@@ -106,8 +106,6 @@ class Rng(eqx.Module):
 
     key: RngState
     impl: str | None = eqx.field(static=True)
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(self, seed: int | KeyBatch):
         key = _as_key(seed)
@@ -204,7 +202,7 @@ class Rng(eqx.Module):
         return self.next_key(num, axis_name=axis_name)
 
 
-class Dropout(eqx.Module):
+class Dropout(_LayerBase):
     """Dropout that draws a fresh mask on every training call from a random stream
     kept in the model: no key plumbing.
 
@@ -255,8 +253,6 @@ class Dropout(eqx.Module):
     p: float = eqx.field(static=True)
     axis_name: Hashable | None = eqx.field(static=True)
     inference: bool
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Real
 
-from .._buffer import BatchStat, fast_getattribute
+from .._buffer import BatchStat, _LayerBase
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._flag import inference_flag
@@ -17,7 +17,7 @@ from ._flag import inference_flag
 _COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
 
 
-class RunningNorm(eqx.Module):
+class RunningNorm(_LayerBase):
     r"""Normalisation by the running mean and variance of everything seen so far:
     the observation normaliser of reinforcement learning.
 
@@ -88,8 +88,6 @@ class RunningNorm(eqx.Module):
     clip: float | None = eqx.field(static=True)
     axis_name: Hashable | None = eqx.field(static=True)
     inference: bool
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._buffer import PowerIterationState, fast_getattribute
+from .._buffer import PowerIterationState, _LayerBase
 from .._errors import StateValueError
 from ._flag import inference_flag
 
@@ -45,7 +45,7 @@ def _initial_uv(mat: Array, key: PRNGKeyArray, eps: float) -> tuple[Array, Array
     return _power_method(mat, u, v, _INIT_ITERATIONS, eps)
 
 
-class SpectralNorm(eqx.Module, Generic[_Layer]):
+class SpectralNorm(_LayerBase, Generic[_Layer]):
     r"""Spectral normalisation of a layer's weight, with the power-iteration vectors
     kept as state.
 
@@ -129,8 +129,6 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     transpose_groups: int = eqx.field(static=True)
     v_first: bool = eqx.field(static=True)
     inference: bool
-
-    __getattribute__ = fast_getattribute  # Equinox's, faster to flatten
 
     def __init__(
         self,

@@ -114,18 +114,23 @@ def test_resetting_batch_stats_leaves_every_other_state_alone(mode):
 
 
 def _library_layers():
-    import eqx_state.metrics as metrics
-    import eqx_state.nn as nn
+    import eqx_state.metrics
+    import eqx_state.nn  # noqa: F401  (every layer class defined)
 
-    classes = {
-        obj
-        for mod in (nn, metrics)
-        for obj in vars(mod).values()
-        if isinstance(obj, type)
-        and issubclass(obj, eqx.Module)
-        and not issubclass(obj, es.Buffer)
-    }
-    return sorted(classes, key=lambda c: c.__name__)
+    def below(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from below(sub)
+
+    return sorted(
+        {
+            c
+            for c in below(eqx.Module)
+            if c.__module__.startswith("eqx_state.")
+            and not issubclass(c, (es.Buffer, es.metrics.Statistic))
+        },
+        key=lambda c: c.__qualname__,
+    )
 
 
 def test_library_layers_flatten_through_the_fast_dict_read_and_keep_bound_methods():
@@ -133,21 +138,22 @@ def test_library_layers_flatten_through_the_fast_dict_read_and_keep_bound_method
     # per step) without Equinox's bound-method hook; everything else goes through the
     # hook, so a method taken from a layer is still a pytree (`jax.jit(layer.method)`
     # traces the layer's arrays instead of baking them in).
-    from eqx_state._buffer import fast_getattribute
+    from eqx_state._buffer import _PLAIN_DICT_READ, _LayerBase
 
     layers = _library_layers()
-    assert {"BatchNorm", "Metric", "Metrics", "EMA", "KVCache"} <= {
+    assert {"BatchNorm", "Metric", "Metrics", "EMA", "KVCache", "Batched"} <= {
         c.__name__ for c in layers
     }
-    slow = [c.__name__ for c in layers if c.__getattribute__ is not fast_getattribute]
-    assert not slow, f"layers flattened through Equinox's slower hook: {slow}"
+    slow = [c.__qualname__ for c in layers if not issubclass(c, _LayerBase)]
+    assert not slow, f"layers flattened through Equinox's hook: {slow}"
 
     class Scaled(es.nn.BatchNorm):  # a user's subclass with a method of its own
         def scaled(self, x):
             return x * self.weight
 
     bn = Scaled(3)
-    assert fast_getattribute(bn, "__dict__") is object.__getattribute__(bn, "__dict__")
+    jax.tree_util.tree_flatten(bn)
+    assert _PLAIN_DICT_READ[Scaled] is True  # the fast read is the one taken
     method = bn.scaled
     assert type(method) is type(eqx.Module.__getattribute__(bn, "scaled"))
     assert jax.tree.leaves(method), "a bound method must carry the layer's arrays"
@@ -162,3 +168,50 @@ def test_library_layers_flatten_through_the_fast_dict_read_and_keep_bound_method
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert eqx.tree_equal(back, model)
     assert jax.tree_util.tree_structure(back) == treedef
+
+
+class _Seen:
+    names: list = []
+
+
+class _TracedModule(eqx.Module):  # a user's module with an attribute hook
+    def __getattribute__(self, name):
+        _Seen.names.append(name)
+        return super().__getattribute__(name)
+
+
+class _TracedMixin:  # a plain mixin with an attribute hook (after Module in the MRO)
+    def __getattribute__(self, name):
+        _Seen.names.append(name)
+        return super().__getattribute__(name)
+
+
+class _PlainCounter(eqx.Module):  # the same fields as es.nn.Counter, plain Equinox
+    count: es.CounterState
+    inference: bool = False
+
+
+@pytest.mark.parametrize("hook", [_TracedModule, _TracedMixin])
+def test_a_users_attribute_hook_below_a_layer_sees_what_it_sees_below_a_module(hook):
+    # The fast `__dict__` read applies only where nothing but Equinox's hook lies
+    # below it: a user's hook further down the method resolution order sees every
+    # read, exactly as under a plain `eqx.Module`.
+    class Mine(es.nn.Counter, hook):
+        pass
+
+    class Reference(_PlainCounter, hook):
+        pass
+
+    seen = {}
+    made = {Mine: Mine, Reference: lambda: Reference(es.CounterState(np.int32(0)))}
+    for cls in (Mine, Reference):
+        layer = made[cls]()
+        _Seen.names = []
+        leaves, treedef = jax.tree_util.tree_flatten(layer)
+        layer.count  # noqa: B018
+        seen[cls] = (list(_Seen.names), len(leaves))
+        back = jax.tree_util.tree_unflatten(treedef, leaves)
+        assert back.count.value is layer.count.value
+    assert seen[Mine] == seen[Reference]
+    names, _ = seen[Mine]
+    assert names.count("__dict__") == 2 and "count" in names
