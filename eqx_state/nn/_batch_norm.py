@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -373,27 +374,27 @@ class BatchNorm(_LayerBase):
         rm, rv = self.running_mean, self.running_var
         old_mean, old_var = rm[...].astype(dt), rv[...].astype(var.dtype)
         new_mean = keep * old_mean + m * mean
-        if isinstance(n, int):
-            # No mask: every channel has the same count, known while tracing, so
-            # the guards below are decided here, not staged into the program.
-            if self.unbiased_running_var:
-                nf = np.asarray(n, var.dtype)
-                var = var * (nf / np.maximum(nf - 1, np.asarray(1, var.dtype)))
-            new_var = keep * old_var + m * var
-            if n == 0:
-                new_mean = old_mean
-            if n <= (1 if self.unbiased_running_var else 0):
-                new_var = old_var
-        else:
-            if self.unbiased_running_var:
-                nf = jnp.asarray(n, var.dtype)
-                var = var * (nf / jnp.maximum(nf - 1, 1))
-            new_var = keep * old_var + m * var
-            # A channel with no entry (all masked out) keeps its statistics, as
-            # PyTorch on an empty batch; one with a single masked-in entry has no
-            # unbiased variance: it keeps its running variance.
-            new_mean = jnp.where(n > 0, new_mean, old_mean)
-            var_defined = n > (1 if self.unbiased_running_var else 0)
-            new_var = jnp.where(var_defined, new_var, old_var)
+        # Without a mask every channel has the same count, a Python int known while
+        # tracing: the arithmetic on it is NumPy constants and the guards below are
+        # decided here (`_keep_where`), not staged into the program.
+        xp = np if isinstance(n, int) else jnp
+        if self.unbiased_running_var:
+            nf = xp.asarray(n, var.dtype)
+            var = var * (nf / xp.maximum(nf - 1, xp.asarray(1, var.dtype)))
+        new_var = keep * old_var + m * var
+        # A channel with no entry (an empty batch, or all masked out) keeps its
+        # statistics, as PyTorch on an empty batch; one with a single masked-in
+        # entry has no unbiased variance: it keeps its running variance.
+        new_mean = _keep_where(n > 0, new_mean, old_mean)
+        var_defined = n > (1 if self.unbiased_running_var else 0)
+        new_var = _keep_where(var_defined, new_var, old_var)
         rm[...] = new_mean.astype(rm.dtype)
         rv[...] = new_var.astype(rv.dtype)
+
+
+def _keep_where(cond: Any, new: Any, old: Array) -> Any:
+    """`jnp.where(cond, new, old)`, decided while tracing when `cond` is a Python
+    bool (nothing staged)."""
+    if isinstance(cond, bool):
+        return new if cond else old
+    return jnp.where(cond, new, old)
