@@ -197,6 +197,17 @@ class EMA(_LayerBase):
         self.dynamic_decay = dynamic_decay
         self.inference = inference
 
+    def __reduce__(self) -> tuple:
+        # `treedef` is a PyTreeDef, and copying one (`copy.deepcopy`, `pickle`)
+        # copies Equinox's "missing" sentinel inside it, so the copy no longer equals
+        # the structure of the model it averages. The copy rebuilds it instead, by
+        # flattening a template of that structure (placeholders as leaves).
+        state = {k: v for k, v in self.__dict__.items() if k != "treedef"}
+        template = jax.tree_util.tree_unflatten(
+            self.treedef, [0] * self.treedef.num_leaves
+        )
+        return (_rebuild_ema, (type(self), state, template))
+
     def _leaves(self, model: PyTree, what: str) -> list[Array]:
         leaves, treedef = jax.tree_util.tree_flatten(params(model))
         if treedef != self.treedef:
@@ -332,3 +343,12 @@ def _accumulation_dtype(param_dtype: Any, requested: Any) -> Any:
     if jnp.issubdtype(param_dtype, jnp.floating) and jnp.finfo(param_dtype).bits < 32:
         return jnp.dtype(jnp.float32)
     return jnp.dtype(param_dtype)
+
+
+def _rebuild_ema(cls: type, state: dict, template: Any) -> Any:
+    """An `EMA` from its fields and a template of its structure (`EMA.__reduce__`)."""
+    new = object.__new__(cls)
+    for name, value in state.items():
+        object.__setattr__(new, name, value)
+    object.__setattr__(new, "treedef", jax.tree_util.tree_structure(template))
+    return new

@@ -551,3 +551,25 @@ def test_haiku_identity_on_unchanged_data():
     ema = es.to_refs(es.nn.EMA(jnp.zeros(()), decay=0.5, zero_debias=True))
     for _ in range(10):
         np.testing.assert_allclose(_ema_call(ema, jnp.asarray(1.0)), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"], ids=lambda h: h)
+def test_a_copied_ema_keeps_its_structure_and_averages_like_numpy(how):
+    # A PyTreeDef copied by `deepcopy` or `pickle` carries a copy of Equinox's
+    # "missing" sentinel and no longer equals the model's structure: a copied EMA
+    # rebuilds its own, so it updates the model it was built from and has the
+    # structure of the original (one compilation key, combinable, loadable).
+    import copy
+    import pickle
+
+    net = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    ema = es.nn.EMA(net, decay=0.25)
+    twin = copy.deepcopy(ema) if how == "deepcopy" else pickle.loads(pickle.dumps(ema))
+    assert twin.treedef == ema.treedef
+    assert jax.tree_util.tree_structure(twin) == jax.tree_util.tree_structure(ema)
+    moved = jax.tree.map(lambda x: x + 1.0, net)
+    _, twin = es.apply(lambda e: e.update(moved), twin)
+    got = twin.averaged(net)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(net)):
+        want = 0.25 * np.asarray(w, np.float64) + 0.75 * (np.asarray(w, np.float64) + 1)
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-6)

@@ -3,6 +3,9 @@ filter by kind (and `es.reset(model, kind)`) selects exactly one layer's cells: 
 BatchNorm recalibration must not wipe EMA weights, SpectralNorm's vectors or caches.
 Each cell with a natural initial value carries it as its reset fill."""
 
+import copy
+import pickle
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -168,6 +171,9 @@ def test_library_layers_flatten_through_the_fast_dict_read_and_keep_bound_method
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert eqx.tree_equal(back, model)
     assert jax.tree_util.tree_structure(back) == treedef
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert eqx.tree_equal(copied, model)
+        assert jax.tree_util.tree_structure(copied) == treedef
 
 
 class _Seen:
