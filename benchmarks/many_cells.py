@@ -187,18 +187,13 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     lines += [
         "## Compile time (first call, s)",
         "",
+        "Wall time of the first call (trace + compile + one call): the median over "
+        "fresh instances, and × pure JAX's first calls in the same rounds "
+        "[bootstrap 95% interval].",
+        "",
         *_step_overhead().stats.markdown_table(
             ["variant", *cols],
-            [
-                [
-                    name,
-                    *(
-                        f"{by_n[n][name]['compile_s']:.2f}" if name in by_n[n] else "-"
-                        for n in ns
-                    ),
-                ]
-                for name in names
-            ],
+            [[name, *(_compile_cell(by_n[n], name) for n in ns)] for name in names],
         ),
         "",
         "Difference: median over rounds of (variant − reference in the same round). "
@@ -264,6 +259,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # ---------------------------------------------------------------------------------
 
 
+def _compile_cell(rows: dict[str, dict[str, Any]], name: str) -> str:
+    """A variant's median first call and its same-round ratio to pure JAX's."""
+    if name not in rows:
+        return "-"
+    stats = _step_overhead().stats
+    row, base = rows[name], rows["pure_jax"]
+    ratio = stats.ratio_summary(
+        row.get("compile_samples_s", [row["compile_s"]]),
+        base.get("compile_samples_s", [base["compile_s"]]),
+    )
+    return f"{row['compile_s']:.2f} ({stats.fmt_ratio(ratio)})"
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; return `{"by_n": {N: {variant: row}}, "fit": ...}` (rows
     as in `step_overhead.py`, fits as in [`fit`][])."""
@@ -274,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=5,
+        help="first calls timed per variant and N: the checked one, then fresh "
+        "instances in interleaved rounds (a first call's time scatters by ~15%%)",
+    )
     parser.add_argument(
         "--steps", type=int, default=None, help="default: max(20, 300 / sqrt(N))"
     )
@@ -292,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.tiny:
         args.n, args.width, args.batch = [1, 3], 4, 4
         args.rounds, args.steps = min(args.rounds, 3), args.steps or 2
+        args.compile_repeats = 1
     so = _step_overhead()
     if args.variants is not None:
         unknown = set(args.variants) - set(so.available_variants())
@@ -313,7 +329,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             steps=args.steps or default_steps(n),
         )
         names = so.variants_for(size, args.variants)
-        by_n[n] = so.run_size(size, names, args.rounds, size.steps)
+        by_n[n] = so.run_size(
+            size, names, args.rounds, size.steps, args.compile_repeats
+        )
     result = {"by_n": by_n, "fit": fit(by_n)}
     meta = {
         "command": "python benchmarks/many_cells.py "

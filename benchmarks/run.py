@@ -166,6 +166,10 @@ ISSUE16_SMALL = 0.6
 # Issue 7: against hand-written JAX; (value mode, ref mode) at most.
 ISSUE7 = {"small": (1.10, 1.25), "medium": (1.02, 1.05), "cnn": (1.10, 1.25)}
 COMPILE_TARGET = 1.2
+# issue 23: ref mode against value mode (same rounds), its per-BatchNorm slope
+# against value mode's, and the compile time at the most BatchNorms
+ISSUE23_REF = 1.10
+ISSUE23_SLOPE = 1.10
 SUBLINEAR = 1.0  # many cells: the log-log growth exponent's interval below this
 PEERS = ("Equinox", "Flax NNX")
 EXPERT, DEFAULT = "expert", "default usage"
@@ -557,7 +561,57 @@ def targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[list[str]]:
             *(_exponent_cell(_growth(by_n, es, "pure_jax"), SUBLINEAR) for es in ES),
         ]
     )
+    for size, label in SIZES.items():
+        got = step_rows(payloads, size, tiny)
+        rows.append(
+            [
+                "23",
+                label,
+                "ref mode × value mode (same rounds)",
+                f"≤ {ISSUE23_REF:.2f}×",
+                "n/a",
+                _ratio_cell(ratio(got, "es_ref", "es_value"), ISSUE23_REF),
+            ]
+        )
+    value_b = _growth(by_n, "es_value", "pure_jax")
+    rows.append(
+        [
+            "23",
+            cells_label,
+            "slope b of the overhead over pure JAX against N",
+            f"ref's b ≤ {ISSUE23_SLOPE:.2f} × value's",
+            "not measured"
+            if value_b is None
+            else stats.fmt_interval(value_b["slope"], value_b["slope_ci"], " µs/BN"),
+            "not measured"
+            if value_b is None
+            else _slope_cell(
+                _growth(by_n, "es_ref", "pure_jax"), ISSUE23_SLOPE * value_b["slope"]
+            ),
+        ]
+    )
+    rows.append(
+        [
+            "23",
+            f"compile time at {n_max} BatchNorms" if by_n else "compile time",
+            "× pure JAX's first call (same rounds)",
+            f"≤ {COMPILE_TARGET:.1f}×",
+            *(_cells_compile_cell(by_n, n_max, es) for es in ES),
+        ]
+    )
     return rows
+
+
+def _cells_compile_cell(by_n, n: int | None, name: str) -> str:
+    """The many-cells benchmark's first-call ratio to pure JAX at `n` BatchNorms
+    (fresh instances, paired by round)."""
+    rows = None if by_n is None or n is None else by_n[n]
+    if not rows or name not in rows or "compile_samples_s" not in rows[name]:
+        return "not measured"
+    s = stats.ratio_summary(
+        rows[name]["compile_samples_s"], rows["pure_jax"]["compile_samples_s"]
+    )
+    return _ratio_cell(s, COMPILE_TARGET)
 
 
 def _compile_cell(payloads: dict[str, dict[str, Any]], name: str, tiny: bool) -> str:

@@ -24,6 +24,8 @@ tracing: what a trace learns about its outputs travels back through jit's output
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import warnings
 from collections.abc import Callable
@@ -536,7 +538,8 @@ class Compiled:
             plan = sig.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
             raise StepError(_unhashable_message(*sig.unflatten(leaves))) from e
-        if plan is None:
+        new = plan is None
+        if new:
             if sig.plans and statics:
                 self._note_numbers(sig, statics, leaves)
             plan = sig.plans[pkey] = _Plan(self, sig, statics, alias, dyn, leaves)
@@ -552,8 +555,13 @@ class Compiled:
                 refs,
             )
             if lower:
-                return plan.fn.lower(*inputs)
-            (ret, result_dyn), spec = plan.fn(*inputs)
+                with gc_paused():
+                    return plan.fn.lower(*inputs)
+            if new:  # traced and compiled now
+                with gc_paused():
+                    (ret, result_dyn), spec = plan.fn(*inputs)
+            else:
+                (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
             _reraise(e, dyn)
             if self.mesh is not None:
@@ -606,6 +614,28 @@ class Compiled:
 
 
 _AMBIGUOUS = object()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Any:
+    """Python's cyclic garbage collector paused while a call is traced and
+    compiled, then restored as it was.
+
+    Tracing allocates many objects that outlive a young generation and few cycles
+    (about ten at 100 BatchNorms): a collection of the oldest generation during the
+    trace frees next to nothing and scans every object of the process, up to a fifth
+    of the tracing time at 100 BatchNorms. Results do not depend on when the
+    collector runs; the memory it would have freed (those few cycles) is freed at
+    its next collection.
+    """
+    if not gc.isenabled():  # the caller's choice: leave it
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class Owned:

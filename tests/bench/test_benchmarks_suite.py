@@ -162,6 +162,20 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
         f"{stats.verdict(f['slope_ci'], 0.0)}"
     )
 
+    # Issue 23: ref mode against value mode, and the compile time at the most cells.
+    s = run.ratio(steps["tiny_cnn"], "es_ref", "es_value")
+    row = _row(targets, "23", run.SIZES["cnn"])
+    assert row[4] == "n/a"
+    assert row[5] == f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], 1.10)}"
+    n_max = max(by_n)
+    row = _row(targets, "23", f"compile time at {n_max} BatchNorms")
+    for col, name in ((4, "es_value"), (5, "es_ref")):
+        s = stats.ratio_summary(
+            by_n[n_max][name]["compile_samples_s"],
+            by_n[n_max]["pure_jax"]["compile_samples_s"],
+        )
+        assert row[col] == f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], 1.2)}"
+
     # KV cache and scaling: every variant reported with its interval.
     kv = raw["benchmarks"]["kv_cache"]["result"]
     for name, r in kv.items():

@@ -354,3 +354,43 @@ def test_ref_mode_steps_leave_the_source_model_and_a_deepcopy_alone():
     first = 0.1 * np.asarray(x, np.float64).mean(0)
     np.testing.assert_allclose(model.running_mean[...], first, rtol=1e-6)
     np.testing.assert_allclose(twin.running_mean[...], 0.9 * first + 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("runner", [*RUNNERS, "apply", "lower"])
+def test_the_collector_is_paused_while_tracing_and_restored_after(runner):
+    """Every runner traces with Python's cyclic garbage collector paused (it would
+    scan every object of the process and free next to nothing) and gives it back as
+    it was: on after the call, still off if the user had turned it off, and on again
+    when the trace raises."""
+    import gc
+
+    seen = []
+
+    def loss(m, x, fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("in the loss")
+        return jnp.mean(m(x) ** 2)
+
+    def call(fail=False):
+        bn = es.nn.BatchNorm(3)
+        x = jnp.ones((K, 4, 3))
+        if runner == "apply":
+            return es.make_apply(lambda m, x: loss(m, x, fail))(bn, x[0])
+        step = es.make_step(lambda m, x: loss(m, x, fail), optax.sgd(0.1))
+        if runner == "lower":
+            return step.lower(bn, step.init(bn), x[0])
+        return first_call(runner, step, bn, step.init(bn), x)
+
+    assert gc.isenabled()
+    call()
+    assert seen == [False] and gc.isenabled()  # traced once, paused, restored
+    with pytest.raises(RuntimeError, match="in the loss"):
+        call(fail=True)
+    assert gc.isenabled()
+    gc.disable()  # the user's choice stands
+    try:
+        call()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
