@@ -194,9 +194,9 @@ class Step:
         return self._compiled.lower((model, opt_state), args, kwargs)
 
     def __call__(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
-        leaves, (loss, aux) = self._compiled.call_flat(leaves, treedef, args, kwargs)
-        model, opt_state = treedef.unflatten(leaves)
+        (model, opt_state), (loss, aux) = self._compiled.call(
+            (model, opt_state), args, kwargs
+        )
         return self._outputs(model, opt_state, loss, aux)
 
     def scan(self, model: Any, opt_state: Any, *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,8 @@ statistics, the key stream, the metric and the average threaded by hand)."""
 
 from __future__ import annotations
 
+import gc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -356,35 +358,69 @@ def test_ref_mode_steps_leave_the_source_model_and_a_deepcopy_alone():
     np.testing.assert_allclose(twin.running_mean[...], 0.9 * first + 0.5, rtol=1e-6)
 
 
-@pytest.mark.parametrize("runner", [*RUNNERS, "apply", "lower"])
-def test_the_collector_is_paused_while_tracing_and_restored_after(runner):
-    """Every runner traces with Python's cyclic garbage collector paused (it would
-    scan every object of the process and free next to nothing) and gives it back as
-    it was: on after the call, still off if the user had turned it off, and on again
-    when the trace raises."""
-    import gc
+@jax.tree_util.register_pytree_node_class
+class _Spy:
+    """A pytree node with no leaves that records whether the collector is on
+    whenever it is flattened."""
 
+    seen: list[bool] = []
+
+    def tree_flatten(self):
+        _Spy.seen.append(gc.isenabled())
+        return (), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls()
+
+    def __eq__(self, other):
+        return isinstance(other, _Spy)
+
+    def __hash__(self):
+        return 0
+
+
+@pytest.mark.parametrize("runner", [*RUNNERS, "apply", "lower"])
+def test_the_collector_is_paused_during_every_call_and_restored_after(runner):
+    """Every runner's call (its trace, and each later call: flattening, the compiled
+    call, rebuilding) runs with Python's cyclic garbage collector paused: a
+    collection then scans every object of the process and frees next to nothing.
+    It is given back as it was: on after the call, still off if the user had turned
+    it off, and on again when the trace raises."""
     seen = []
 
-    def loss(m, x, fail=False):
+    def loss(m, x, spy, fail=False):
         seen.append(gc.isenabled())
         if fail:
             raise RuntimeError("in the loss")
         return jnp.mean(m(x) ** 2)
 
-    def call(fail=False):
+    def call(fail=False, calls=1):
         bn = es.nn.BatchNorm(3)
         x = jnp.ones((K, 4, 3))
         if runner == "apply":
-            return es.make_apply(lambda m, x: loss(m, x, fail))(bn, x[0])
-        step = es.make_step(lambda m, x: loss(m, x, fail), optax.sgd(0.1))
+            f = es.make_apply(lambda m, x, spy: loss(m, x, spy, fail))
+            for _ in range(calls):
+                _, bn = f(bn, x[0], _Spy())
+            return
+        step = es.make_step(lambda m, x, spy: loss(m, x, spy, fail), optax.sgd(0.1))
         if runner == "lower":
-            return step.lower(bn, step.init(bn), x[0])
-        return first_call(runner, step, bn, step.init(bn), x)
+            return step.lower(bn, step.init(bn), x[0], _Spy())
+        opt_state = step.init(bn)
+        if runner == "own":
+            loop = step.own(bn, opt_state)
+            return [loop(x[0], _Spy()) for _ in range(calls)]
+        for _ in range(calls):
+            if runner == "step":
+                bn, opt_state = step(bn, opt_state, x[0], _Spy())
+            else:
+                bn, opt_state = step.scan(bn, opt_state, x, _Spy())
 
     assert gc.isenabled()
-    call()
+    _Spy.seen = []
+    call(calls=3)
     assert seen == [False] and gc.isenabled()  # traced once, paused, restored
+    assert _Spy.seen and not any(_Spy.seen)  # every call's flattening: paused
     with pytest.raises(RuntimeError, match="in the loss"):
         call(fail=True)
     assert gc.isenabled()
