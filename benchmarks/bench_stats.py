@@ -73,6 +73,26 @@ def ratio_summary(
     }
 
 
+def compile_ratio(
+    rows: Mapping[str, Mapping[str, Any]], name: str, base: str = "pure_jax"
+) -> dict[str, Any]:
+    """`ratio_summary` of `name`'s first calls (`compile_samples_s`, or the one
+    `compile_s`) against `base`'s from the same rounds."""
+
+    def samples(row: Mapping[str, Any]) -> Sequence[float]:
+        return row.get("compile_samples_s", [row["compile_s"]])
+
+    return ratio_summary(samples(rows[name]), samples(rows[base]))
+
+
+def compile_cell(rows: Mapping[str, Mapping[str, Any]], name: str) -> str:
+    """A variant's median first call and its ratio to pure JAX's: `"8.42 (1.02×
+    [0.91–1.15])"`, or `"-"` where it did not run."""
+    if name not in rows:
+        return "-"
+    return f"{rows[name]['compile_s']:.2f} ({fmt_ratio(compile_ratio(rows, name))})"
+
+
 def verdict(ci: Sequence[float] | None, limit: float, *, below: bool = True) -> str:
     """ "✓" when the interval `ci` lies inside the target (`≤ limit` when `below`,
     else `≥ limit`), "✗" when it lies entirely outside, "?" when it straddles the

@@ -193,7 +193,13 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         *_step_overhead().stats.markdown_table(
             ["variant", *cols],
-            [[name, *(_compile_cell(by_n[n], name) for n in ns)] for name in names],
+            [
+                [
+                    name,
+                    *(_step_overhead().stats.compile_cell(by_n[n], name) for n in ns),
+                ]
+                for name in names
+            ],
         ),
         "",
         "Difference: median over rounds of (variant − reference in the same round). "
@@ -257,19 +263,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------
-
-
-def _compile_cell(rows: dict[str, dict[str, Any]], name: str) -> str:
-    """A variant's median first call and its same-round ratio to pure JAX's."""
-    if name not in rows:
-        return "-"
-    stats = _step_overhead().stats
-    row, base = rows[name], rows["pure_jax"]
-    ratio = stats.ratio_summary(
-        row.get("compile_samples_s", [row["compile_s"]]),
-        base.get("compile_samples_s", [base["compile_s"]]),
-    )
-    return f"{row['compile_s']:.2f} ({stats.fmt_ratio(ratio)})"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

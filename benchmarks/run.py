@@ -608,10 +608,7 @@ def _cells_compile_cell(by_n, n: int | None, name: str) -> str:
     rows = None if by_n is None or n is None else by_n[n]
     if not rows or name not in rows or "compile_samples_s" not in rows[name]:
         return "not measured"
-    s = stats.ratio_summary(
-        rows[name]["compile_samples_s"], rows["pure_jax"]["compile_samples_s"]
-    )
-    return _ratio_cell(s, COMPILE_TARGET)
+    return _ratio_cell(stats.compile_ratio(rows, name), COMPILE_TARGET)
 
 
 def _compile_cell(payloads: dict[str, dict[str, Any]], name: str, tiny: bool) -> str:
@@ -622,9 +619,7 @@ def _compile_cell(payloads: dict[str, dict[str, Any]], name: str, tiny: bool) ->
     for size in SIZES:
         got = step_rows(payloads, size, tiny)
         if got and name in got and "compile_samples_s" in got[name]:
-            per_size[size] = stats.ratio_summary(
-                got[name]["compile_samples_s"], got["pure_jax"]["compile_samples_s"]
-            )
+            per_size[size] = stats.compile_ratio(got, name)
     if not per_size:
         return "not measured"
     marks = [stats.verdict(s["ci"], COMPILE_TARGET) for s in per_size.values()]
@@ -786,18 +781,12 @@ def render_compile(result: dict[str, Any]) -> list[str]:
     for rows in result.values():
         names += [n for n in _order(rows) if n not in names]
 
-    def cell(rows: dict[str, dict[str, Any]], n: str) -> str:
-        if n not in rows:
-            return "-"
-        samples = rows[n].get("compile_samples_s", [rows[n]["compile_s"]])
-        base = rows["pure_jax"].get(
-            "compile_samples_s", [rows["pure_jax"]["compile_s"]]
-        )
-        return f"{rows[n]['compile_s']:.2f} ({stats.fmt_ratio(stats.ratio_summary(samples, base))})"
-
     return lines + stats.markdown_table(
         ["variant", *result],
-        [[n, *(cell(rows, n) for rows in result.values())] for n in names],
+        [
+            [n, *(stats.compile_cell(rows, n) for rows in result.values())]
+            for n in names
+        ],
     )
 
 
