@@ -600,7 +600,8 @@ class Compiled:
             f"{', '.join(names)}: a Python number is static (part of the "
             "compilation key, as in `eqx.filter_jit`), so each new value compiles "
             "the step again. Make it an array, e.g. "
-            "`opt_state.hyperparams['learning_rate'] = jnp.asarray(lr)` with "
+            "`opt_state.hyperparams['learning_rate'] = jnp.asarray(lr, jnp.float32)` "
+            "(the state's dtype; a bare `jnp.asarray(lr)` is weakly typed) with "
             "`optax.inject_hyperparams`, to change it without compiling. This "
             "warning is shown once per step (`eqx_state.RecompileWarning`).",
             RecompileWarning,

@@ -251,31 +251,51 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
 
 
 class NeedsFirstCall(StepError):
-    """Raised while tracing a scan whose first call turns a Python number of the
-    carry into an array: a scan's carry keeps one type, so the runner makes the
-    first call on its own and scans the others (`run_scan`), which equals `K` calls.
-    Never reaches the user."""
+    """Raised while tracing a scan whose carry cannot keep one type: a call turns a
+    Python number of the carry into an array (a float hyperparameter), or returns a
+    weakly typed array strongly typed (`jnp.asarray(1e-3)` as a learning rate, a
+    weakly typed parameter such as `eqx.nn.PReLU`'s). `K` separate calls compute
+    every call after such a change with the new type, so the runner makes the first
+    call on its own and scans the others (`run_scan`), which equals `K` calls.
+    Raised while tracing, before anything runs; never reaches the user."""
 
 
 def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> Any:
     """`K` calls of `one` (a compiled call) as one call of `scan` (the same calls in
     a `lax.scan`): `(carry, outs)` with `outs` stacked. Where the scan cannot carry
-    the first call's input types (`NeedsFirstCall`), the first call runs on its own
-    and the other `K - 1` in the scan: the same `K` calls."""
+    the input types (`NeedsFirstCall`), the first call runs on its own and the other
+    `K - 1` in the scan; if their types still change, one by one: always the same
+    `K` calls. Nothing after a call that ran can fail, so no call's result is
+    lost."""
     try:
         return scan.call(carry, args, kwargs)
     except NeedsFirstCall:
         pass
     batch, static = eqx.partition((args, kwargs), eqx.is_array)
-    first = eqx.combine(jax.tree.map(lambda x: x[0], batch), static)
-    carry, out0 = one.call(carry, *first)
-    if next(iter(jax.tree.leaves(batch))).shape[0] == 1:
-        return carry, jax.tree.map(lambda x: x[None], out0)
-    rest = eqx.combine(jax.tree.map(lambda x: x[1:], batch), static)
-    carry, outs = scan.call(carry, *rest)
-    arrays0, _ = eqx.partition(out0, eqx.is_array)
-    arrays, out_static = eqx.partition(outs, eqx.is_array)
-    stacked = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), arrays0, arrays)
+    k = jax.tree.leaves(batch)[0].shape[0]
+
+    def sliced(index: Any) -> Any:
+        return eqx.combine(jax.tree.map(lambda x: x[index], batch), static)
+
+    carry, out = one.call(carry, *sliced(0))
+    outs = [out]
+    if k > 1:
+        try:
+            carry, rest = scan.call(carry, *sliced(slice(1, None)))
+        except NeedsFirstCall:  # raised while tracing: nothing ran
+            for i in range(1, k):
+                carry, out = one.call(carry, *sliced(i))
+                outs.append(out)
+        else:
+            arrays, out_static = eqx.partition(rest, eqx.is_array)
+            first, _ = eqx.partition(outs[0], eqx.is_array)
+            stacked = jax.tree.map(
+                lambda a, b: jnp.concatenate([a[None], b]), first, arrays
+            )
+            return carry, eqx.combine(stacked, out_static)
+    arrays = [eqx.partition(o, eqx.is_array)[0] for o in outs]
+    out_static = eqx.partition(outs[-1], eqx.is_array)[1]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *arrays)
     return carry, eqx.combine(stacked, out_static)
 
 
@@ -328,19 +348,13 @@ def scan_calls(
                     "keep its dtype."
                 )
             if tn.weak_type != to.weak_type:
-                # K separate calls would compute the next call with the new type
-                # (a weak type takes the other operand's dtype); a scan's carry
-                # keeps one type, so it could not equal them.
-                raise StepError(
-                    f"A call inside `scan` returns {path} "
-                    f"{'weakly' if tn.weak_type else 'strongly'} typed, but it came "
-                    f"in {'weakly' if to.weak_type else 'strongly'} typed (an array "
-                    "made from a Python number, e.g. `jnp.asarray(1.3)`, is weakly "
-                    "typed; optimizers return it strongly typed). Later calls would "
-                    "compute with it differently from the first, which one scan "
-                    f"cannot do. Give it a dtype where it is made (e.g. "
-                    f"`jnp.asarray(1.3, jnp.float32)`), or run one call before "
-                    "`scan`."
+                # K separate calls compute the next call with the new type (a weak
+                # type takes the other operand's dtype); a scan's carry keeps one
+                # type: the first call runs on its own (see `NeedsFirstCall`)
+                raise NeedsFirstCall(
+                    f"{path} comes back {'weakly' if tn.weak_type else 'strongly'} "
+                    f"typed from a call that got it "
+                    f"{'weakly' if to.weak_type else 'strongly'} typed"
                 )
         del new_static  # Python values: the carry's own (checked by the structure)
         out_arrays, static_out = eqx.partition(out, eqx.is_array)

@@ -243,6 +243,48 @@ def test_python_float_hyperparameter_is_accepted_by_every_runner(runner):
     np.testing.assert_allclose(losses, as_array, rtol=1e-6)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_weakly_typed_learning_rate_is_accepted_by_every_runner(runner):
+    """`jnp.asarray(0.05)` (weakly typed) as the learning rate: the optimizer returns
+    it strongly typed, so K steps compute the later ones with the strong type;
+    `scan` runs its first step alone and equals them bit for bit."""
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.01)
+
+    def weak_lr(s, m):
+        return _with(s.init(m), jnp.asarray(0.05))
+
+    model, _, losses = run(runner, "value", opt, weak_lr)
+    want_model, _, want = run("step", "value", opt, weak_lr)
+    assert np.array_equal(losses, want)
+    for a, b in zip(arrays(model), arrays(want_model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_scan_whose_first_step_runs_alone_keeps_python_values_of_aux(k):
+    """A Python float hyperparameter makes `scan` run its first step alone; an `aux`
+    holding a Python value comes back as K steps give it, for every K (K = 1 lost
+    the first step's result to an error after it had run)."""
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+
+    def loss(model, x, y):
+        return loss_fn(model, x, y), {"n": 3, "v": jnp.sum(x)}
+
+    step = es.make_step(loss, opt, has_aux=True, return_loss=True)
+    xs, ys = (a[:k] for a in data())
+    model = Net(jax.random.key(0))
+    model, opt_state, losses, aux = step.scan(model, _float_lr(step, model), xs, ys)
+    ref = Net(jax.random.key(0))
+    ref_state = _float_lr(step, ref)
+    for x, y in zip(xs, ys):
+        ref, ref_state, loss_k, aux_k = step(ref, ref_state, x, y)
+    assert aux["n"] == aux_k["n"] == 3
+    np.testing.assert_array_equal(np.asarray(aux["v"]), np.sum(xs, axis=(1, 2)))
+    assert np.asarray(losses)[-1] == np.asarray(loss_k)
+    for a, b in zip(arrays(model), arrays(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _with(opt_state, lr):
     opt_state.hyperparams["learning_rate"] = lr
     return opt_state

@@ -191,11 +191,14 @@ def test_scan_carries_state_in_place():
     assert temps[1] <= temps[0] * 1.1 + 4096, temps
 
 
-def test_scan_refuses_a_carry_whose_weak_type_changes():
-    """adam returns a weakly typed parameter (`jnp.asarray(1.3)`) strongly typed, so
-    K separate steps compute the second step differently from the first (checked
-    here against an `eqx.filter_jit` loop); one scan carries one type, so it raises,
-    naming the leaf and the fix, and the fixed model scans like K steps."""
+@pytest.mark.parametrize("weak", ["parameter", "learning_rate"])
+def test_scan_of_a_carry_whose_weak_type_changes_equals_k_steps(weak):
+    """adam returns a weakly typed parameter (`jnp.asarray(1.3)`) strongly typed, and
+    `inject_hyperparams` a weakly typed learning rate (`jnp.asarray(0.1)`, what
+    users write) strongly typed: K separate steps compute the later steps with the
+    strong type (checked against an `eqx.filter_jit` loop). A scan's carry keeps one
+    type, so `scan` runs the first step on its own and scans the others: the same
+    K steps, bit for bit, and nothing is refused (K = 1 and K = 3)."""
 
     class Scale(eqx.Module):
         a: jax.Array
@@ -207,21 +210,35 @@ def test_scan_refuses_a_carry_whose_weak_type_changes():
         return jnp.mean((m(x).astype(jnp.float32) - 1.0) ** 2)
 
     xs = jnp.stack([(jnp.arange(1, 9.0) / 7).astype(jnp.bfloat16)] * 3)
-    opt = optax.adam(0.1)
-    step = es.make_step(loss, opt)
-    weak = Scale(jnp.asarray(1.3))
-    with pytest.raises(es.StepError, match=r"\.a.*weakly typed.*jnp.float32"):
-        step.scan(weak, step.init(weak), xs)
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+
+    def fresh():
+        if weak == "parameter":
+            model = Scale(jnp.asarray(1.3))
+            return model, opt.init(model)
+        model = Scale(jnp.asarray(1.3, jnp.float32))
+        state = opt.init(model)
+        state.hyperparams["learning_rate"] = jnp.asarray(0.05)
+        return model, state
+
+    model, state = fresh()
+    changing = model.a if weak == "parameter" else state.hyperparams["learning_rate"]
+    assert changing.weak_type
 
     @eqx.filter_jit
     def ref_step(m, s, x):
-        g = eqx.filter_grad(loss)(m, x)
+        value, g = eqx.filter_value_and_grad(loss)(m, x)
         u, s = opt.update(g, s, m)
-        return eqx.apply_updates(m, u), s
+        return eqx.apply_updates(m, u), s, value
 
-    model = Scale(jnp.asarray(1.3, jnp.float32))
-    ref, ref_s = model, opt.init(model)
-    for x in xs:
-        ref, ref_s = ref_step(ref, ref_s, x)
-    got, _ = step.scan(model, step.init(model), xs)
-    np.testing.assert_allclose(float(got.a), float(ref.a), rtol=1e-6)
+    for k in (1, 3):
+        ref, ref_s = fresh()
+        ref_losses = []
+        for x in xs[:k]:
+            ref, ref_s, value = ref_step(ref, ref_s, x)
+            ref_losses.append(value)
+        step = es.make_step(loss, opt, return_loss=True)
+        got, got_s, losses = step.scan(*fresh(), xs[:k])
+        np.testing.assert_array_equal(np.asarray(got.a), np.asarray(ref.a))
+        np.testing.assert_array_equal(np.asarray(losses), np.stack(ref_losses))
+        assert not got.a.weak_type and not got_s.hyperparams["learning_rate"].weak_type
