@@ -44,6 +44,7 @@ from ._compat import (
     is_deleted_array_error,
     ref_buffer,
     set_ref_buffer,
+    under_trace,
 )
 from ._errors import (
     RecompileWarning,
@@ -468,10 +469,13 @@ class Compiled:
                     carry_leaves,
                     self.donate_policy,
                 )
-        if sig is _AMBIGUOUS:
+        if sig is _AMBIGUOUS or (sig.refbuf_idx and under_trace()):
             # Under an outer transformation leaves are tracers, and a tracer may be
             # an array or a ref: classify each one. A concrete ref closed over by
-            # the outer trace is passed as a ref: the trace writes it.
+            # the outer trace (also when no leaf is a tracer: a model and a batch
+            # closed over by an outer `jax.jit` or a loop body) is passed as a ref:
+            # the trace reads and writes it. Reading its array instead would put
+            # the value it held at trace time into the program as a constant.
             kinds = [_REF if k == _REFBUF else k for k in map(_kind, leaves)]
             key = (carry_td, arg_td, tuple(kinds))
             sig = self._signatures.get(key)

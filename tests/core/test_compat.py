@@ -99,3 +99,20 @@ def test_deleted_array_error_is_recognised():
         jax.jit(lambda a: a + 1)(x)
     assert _compat.is_deleted_array_error(info.value)
     assert not _compat.is_deleted_array_error(ValueError("unrelated"))
+
+
+def test_under_trace_tells_an_outer_transformation_from_eager_code():
+    assert _compat._trace_ctx is not None, "trace_ctx moved: update _compat.py"
+    assert not _compat.under_trace()
+    seen = []
+
+    def probe(x):
+        seen.append(_compat.under_trace())
+        return x
+
+    jax.jit(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.grad(probe)(1.0)
+    jax.lax.fori_loop(0, 2, lambda i, c: probe(c), 0.0)
+    assert seen == [True] * 4
+    assert not _compat.under_trace()

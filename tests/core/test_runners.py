@@ -472,3 +472,31 @@ def test_the_collector_is_paused_during_every_call_and_restored_after(runner):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_ref_mode_model_closed_over_by_an_outer_jit_is_written_each_call():
+    """A ref-mode model and a concrete batch closed over by an outer `jax.jit` (or a
+    loop body): no leaf of the call is a tracer, and still each run of the outer
+    program reads and writes the refs, as eager `es.apply` does in the same place
+    (the value at trace time was baked in: three runs counted 1, 1, 1)."""
+    count = es.make_apply(lambda c: c.increment())
+    _counts_each_run(lambda c: count(c)[0])
+    _counts_each_run(lambda c: es.apply(lambda c: c.increment(), c)[0])
+    xs, ys = data()
+    model = es.to_refs(Net(jax.random.key(0)))
+    step = es.make_step(loss_fn, optax.sgd(0.1), donate=False)
+    opt_state = step.init(model)
+    outer = jax.jit(
+        lambda: step(model, opt_state, xs[0], ys[0])[0].bn.num_batches_tracked[...]
+    )
+    assert [int(outer()) for _ in range(3)] == [1, 2, 3]
+    assert int(model.bn.num_batches_tracked[...]) == 3
+
+
+def _counts_each_run(call):
+    counter = es.to_refs(es.nn.Counter())
+    outer = jax.jit(lambda: call(counter))
+    assert [int(outer()) for _ in range(3)] == [1, 2, 3]
+    loop_counter = es.to_refs(es.nn.Counter())
+    total = jax.lax.fori_loop(0, 3, lambda i, t: t + call(loop_counter), jnp.int32(0))
+    assert int(total) == 1 + 2 + 3 and int(loop_counter.value[...]) == 3
