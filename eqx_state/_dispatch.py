@@ -562,7 +562,7 @@ class Compiled:
                 return plan.fn.lower(*inputs)
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
-            _reraise(e, dyn)
+            _reraise(e, dyn, sig, leaves)
             if self.mesh is not None:
                 explain_sharding_error(e, self.mesh)
                 _check_refs_on_mesh(
@@ -773,21 +773,41 @@ def _local_batch_message(x: Any, sharding: Any) -> str:
     )
 
 
-def _reraise(e: Exception, dyn: list) -> None:
+def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
     """Say what went wrong in a failed compiled call: a check in the program that
-    fired (`eqx.error_if`), an input consumed by an earlier call (a stale model), or
-    else the error itself, with a note when this call consumed its inputs."""
+    fired (`eqx.error_if`), an input consumed by an earlier call (a stale model or
+    optimizer state, or a deleted argument: named by its path), or else the error
+    itself, with a note when this call consumed its inputs."""
     eqx_error = equinox_runtime_error(e)
-    deleted = any(
-        isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
-        for x in dyn
-    )
+    deleted = [
+        i
+        for i, x in zip(sig.dyn_idx, dyn)
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+    ]
     if eqx_error is not None:  # a check in the program fired: say which
         if deleted:
             eqx_error.add_note(_CONSUMED_NOTE)
         raise eqx_error from None
-    if is_deleted_array_error(e) and deleted:  # consumed before this call
-        raise StaleModelError(stale_message("model or optimizer state")) from e
+    if deleted and is_deleted_array_error(e):  # consumed before this call
+        names = _leaf_names(sig.unflatten(leaves), deleted[:3])
+        more = f" and {len(deleted) - 3} more" if len(deleted) > 3 else ""
+        where = f"{', '.join(names)}{more}"
+        if all(i >= sig.n_carry for i in deleted):
+            raise StaleModelError(
+                f"The argument {where} holds an array that was consumed (its buffer "
+                "donated and deleted) by an earlier call; the model and optimizer "
+                "state are intact. Pass an array that is still alive: one donated to "
+                "another jitted call (`donate_argnums`) or deleted (`.delete()`) "
+                "cannot be read again."
+            ) from e
+        n_model = sig.carry_treedef.children()[0].num_leaves
+        owners = {i < n_model for i in deleted if i < sig.n_carry}
+        what = " and ".join(
+            w
+            for w, own in (("model", True), ("optimizer state", False))
+            if own in owners
+        )
+        raise StaleModelError(f"{stale_message(what)} Consumed: {where}.") from e
     if deleted:  # the program failed after its inputs were donated to it
         e.add_note(_CONSUMED_NOTE)
 

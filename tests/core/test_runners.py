@@ -354,6 +354,29 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
         first_call(runner, step, model, opt_state, xs, ys)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_what_was_consumed_is_named_alike_by_every_runner(runner):
+    """A stale optimizer state with a fresh model names the optimizer state and its
+    leaves; a deleted argument names the argument and leaves the model alone (it
+    was blamed on "the model or optimizer state")."""
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    xs, ys = data()
+    model = Net(jax.random.key(0))
+    opt_state = step.init(model)
+    model, _ = step(model, opt_state, xs[0], ys[0])  # consumes `opt_state`
+    with pytest.raises(
+        es.StaleModelError, match=r"^The optimizer state holds.*Consumed: `opt_state"
+    ):
+        first_call(runner, step, model, opt_state, xs, ys)
+    opt_state = step.init(model)
+    gone = jnp.array(xs if runner == "scan" else xs[0])
+    gone.delete()
+    gone = gone if runner == "scan" else [gone]  # `first_call` takes item 0
+    with pytest.raises(es.StaleModelError, match=r"^The argument `args\[0\]`.*intact"):
+        first_call(runner, step, model, opt_state, gone, ys)
+    assert int(model.bn.num_batches_tracked[...]) == 1  # still alive, as it was
+
+
 def test_ref_mode_steps_interleaved_with_eager_writes_equal_value_mode():
     """A ref-mode step puts its new arrays back into the same refs: eager reads and
     writes between steps (a BatchNorm recalibration, a metric reset) see and
