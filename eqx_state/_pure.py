@@ -19,7 +19,7 @@ import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
 from ._errors import StepError
-from ._modes import Made, argument_name, refreeze, thaw, without_witnesses
+from ._modes import argument_name, refreeze, thaw, without_witnesses
 
 
 def train_step(
@@ -50,7 +50,7 @@ def train_step(
             (value, aux), grads = grad_fn(diff, *args, **kwargs)
         else:
             (value, aux), grads = _accumulate(grad_fn, diff, args, kwargs, microbatches)
-    refuse_cells_out(aux, thawed, made, "make_step(..., has_aux=True): `aux`")
+    refuse_cells_out(aux, thawed, "make_step(..., has_aux=True): `aux`")
     if isinstance(optimizer, optax.GradientTransformationExtraArgs):
         # optax's extra arguments: an optimizer that needs the loss (e.g.
         # `optax.contrib.reduce_on_plateau`) takes it as `value`
@@ -67,18 +67,17 @@ def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) ->
     thawed, made, paths = thaw(model)
     with named_cells(paths), _cond_note():
         out = fn(thawed, *args, **kwargs)
-    refuse_cells_out(out, thawed, made, "`apply(fn, model, ...)`: `fn`'s output")
+    refuse_cells_out(out, thawed, "`apply(fn, model, ...)`: `fn`'s output")
     return out, refreeze(thawed, made)
 
 
-def refuse_cells_out(out: Any, thawed: Any, made: list, what: str) -> None:
-    """Refuse an output that holds a state cell's ref made for this call: it would
-    leave the call as a dead trace value. One check for every runner."""
-    ours = [
-        c.value
-        for c, original in zip(_cells(thawed), made)
-        if isinstance(original, Made)  # refs made by `thaw`
-    ]
+def refuse_cells_out(out: Any, thawed: Any, what: str) -> None:
+    """Refuse an output that holds one of the model's state cells: a ref made for
+    this call would leave it as a dead trace value, and a ref-mode cell is refused
+    alike (eager `es.apply` would return it live, a compiled call runs it as a
+    value-mode cell), so every runner and both modes give one answer. One check
+    for every runner."""
+    ours = [c.value for c in _cells(thawed)]
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if _is_ref(leaf) and any(leaf is r for r in ours):
             raise StepError(
