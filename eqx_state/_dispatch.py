@@ -49,11 +49,12 @@ from ._compat import (
 from ._errors import (
     RecompileWarning,
     StaleModelError,
+    StateError,
     StepError,
     stale_message,
     user_stacklevel,
 )
-from ._modes import _WITNESS_DTYPE, argument_name, check_no_shared_refs, path_str
+from ._modes import _WITNESS_DTYPE, argument_name, path_str, shared_ref_message
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -522,11 +523,11 @@ class Compiled:
                 and len({id(leaves[i]) for i in (*sig.ref_idx, *sig.refbuf_idx)})
                 != n_refs
             ):
-                check_no_shared_refs(sig.unflatten(leaves))
+                _refuse_shared_refs(sig, leaves)
             for k in sig.refbuf_ks:  # a ref-mode cell runs as a value-mode one
                 dyn[k] = ref_buffer(dyn[k])
         elif len(refs) > 1 and len(set(map(id, refs))) != len(refs):
-            check_no_shared_refs(sig.unflatten(leaves))
+            _refuse_shared_refs(sig, leaves)
         statics = tuple(sig.get_static(leaves)) if sig.static_idx else ()
         # Aliasing, for donation only (the same buffer cannot be donated twice):
         # results never depend on it.
@@ -771,6 +772,20 @@ def _local_batch_message(x: Any, sharding: Any) -> str:
         "`es.global_batch(local_batch, mesh)` (`jax.make_array_from_process_local_data`"
         "); `es.process_slice(batch_size, mesh)` says which rows are this process's."
     )
+
+
+def _refuse_shared_refs(sig: _Signature, leaves: list) -> None:
+    """One ref at two places of `(carry, args, kwargs)`: in the model (two cells),
+    or in the model and an argument (a cell's ref, or the whole model, passed
+    again). Named by their paths (`model...`, `args[i]...`)."""
+    n_model = sig.carry_treedef.children()[0].num_leaves
+    seen: dict[int, int] = {}
+    for i in sorted((*sig.ref_idx, *sig.refbuf_idx)):
+        j = seen.setdefault(id(leaves[i]), i)
+        if j != i and j < sig.n_carry:  # two bare arguments: JAX's to judge
+            names = _leaf_names(sig.unflatten(leaves), [j, i])
+            first, here = (n.replace(".value`", "`") for n in names)
+            raise StateError(shared_ref_message(first, here, i < n_model))
 
 
 def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:

@@ -119,16 +119,27 @@ def check_no_shared_refs(tree: Any) -> None:
             here = path_str(path) or "<root>"
             first = seen.setdefault(id(leaf.value), here)  # identity of a ref
             if first != here:
-                raise StateError(
-                    f"The same ref is at two places of the model: `{first}` and "
-                    f"`{here}`. A ref is a mutable object, so eager calls would treat "
-                    "the two places as one state, while a value-mode copy of the "
-                    "model (es.freeze) has two independent ones. State is shared "
-                    "only when the model declares it: wrap the layers in "
-                    "`eqx.nn.Shared` (Equinox's way of tying parts of a pytree), or "
-                    "give each place its own cell (`es.to_refs` on the whole model "
-                    "gives every place its own ref)."
-                )
+                raise StateError(shared_ref_message(f"`{first}`", f"`{here}`"))
+
+
+def shared_ref_message(first: str, here: str, in_model: bool = True) -> str:
+    """The one message for one ref at two places (`first`, `here`: their paths)."""
+    if not in_model:
+        return (
+            f"The same ref is passed at two places: {first} and {here}. A ref-mode "
+            "model's cells are read and written through the model; a call cannot "
+            "also take one of them as an argument. Pass its value (`cell[...]`), or "
+            "read it from the model inside the function."
+        )
+    return (
+        f"The same ref is at two places of the model: {first} and {here}. A ref is "
+        "a mutable object, so eager calls would treat the two places as one state, "
+        "while a value-mode copy of the model (es.freeze) has two independent ones. "
+        "State is shared only when the model declares it: wrap the layers in "
+        "`eqx.nn.Shared` (Equinox's way of tying parts of a pytree), or give each "
+        "place its own cell (`es.to_refs` on the whole model gives every place its "
+        "own ref)."
+    )
 
 
 def to_refs(model: Any, *, sharding: Any = None) -> Any:

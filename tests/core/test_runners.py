@@ -342,8 +342,32 @@ def test_shared_refs_are_refused_by_every_runner(runner):
     step = es.make_step(loss, optax.sgd(0.1))
     opt_state = step.init(model)
     x = jnp.ones((K, 4, 3))
-    with pytest.raises(es.StateError, match=r"same ref is at two places"):
+    with pytest.raises(
+        es.StateError, match=r"same ref is at two places of the model: `model\[0\]"
+    ):
         first_call(runner, step, model, opt_state, x)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_cell_of_the_model_passed_as_an_argument_is_refused_by_name(runner):
+    """A ref-mode model's own ref passed again as an argument (bare, or inside the
+    whole model) is refused before anything runs, naming both places; it gave
+    JAX's "Attempt to donate the same buffer twice" (or a path like `0.0.layers`)."""
+    model = es.to_refs(Net(jax.random.key(0)))
+    xs, ys = data()
+    step = es.make_step(lambda m, x, y, extra: loss_fn(m, x, y), optax.sgd(0.1))
+    opt_state = step.init(model)
+    for extra, where in (
+        (model.bn.running_mean.value, r"`args\[2\]`"),
+        (model, r"`args\[2\]\.bn\.running_mean`"),
+    ):
+        stacked = extra if runner == "scan" else [extra] * K  # `first_call` takes [0]
+        with pytest.raises(
+            es.StateError,
+            match=rf"passed at two places: `model\.bn\.running_mean` and {where}",
+        ):
+            first_call(runner, step, model, opt_state, xs, ys, stacked)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
 
 
 @pytest.mark.parametrize("mode", MODES)
