@@ -310,18 +310,21 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         # (even of an unbatched value) with a bare `Exception`; recognise the case by
         # that type and the ref not being batched, not by the message's text.
         if type(e) is Exception and not is_batched(cell):
-            raise StateWriteError(_unbatched_message(buf, e)) from e
+            raise StateWriteError(unbatched_message(buf, e)) from e
         raise
 
 
-def _unbatched_message(buf: Buffer, e: Exception) -> str:
+def unbatched_message(buf: Buffer | str, e: Exception) -> str:
+    """The one message for a write into a ref that an enclosing `vmap` does not map
+    (`buf`: the cell, or a description of the cells when JAX does not say which)."""
     return _unbatched_advice(buf) + f" (JAX's message: {e})"
 
 
-def _unbatched_advice(buf: Buffer) -> str:
+def _unbatched_advice(buf: Buffer | str) -> str:
+    what = buf if isinstance(buf, str) else describe(buf)
     if MAPPED_AXES.get():
         return (
-            f"The {describe(buf)} was written inside `eqx_state.vmap`, but the cell "
+            f"The {what} was written inside `eqx_state.vmap`, but the cell "
             "was not given to `es.vmap`: it was "
             "reached through a closure. `es.vmap` gives batched shadows only to the "
             "cells it can see: those inside `fn` when `fn` is a module (pass the "
@@ -330,7 +333,7 @@ def _unbatched_advice(buf: Buffer) -> str:
             "0), axis_name=...)(metric, xs)`."
         )
     return (
-        f"The {describe(buf)} was written inside `jax.vmap`, but the cell itself is "
+        f"The {what} was written inside `jax.vmap`, but the cell itself is "
         "not batched: JAX cannot write into a ref that the vmap does not map, even "
         "a value that is the same for every example. Either map per-example calls with "
         "`eqx_state.vmap(model, axis_name=...)` (with layers that reduce over that "

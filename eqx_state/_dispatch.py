@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import _is_ref, is_state
+from ._buffer import _is_ref, is_state, unbatched_message
 from ._compat import (
     Tracer,
     equinox_runtime_error,
@@ -50,6 +50,7 @@ from ._errors import (
     RecompileWarning,
     StaleModelError,
     StateError,
+    StateWriteError,
     StepError,
     stale_message,
     user_stacklevel,
@@ -563,6 +564,15 @@ class Compiled:
                 return plan.fn.lower(*inputs)
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
+            if type(e) is Exception and (refs or sig.refbuf_idx) and under_trace():
+                # JAX's bare refusal of a write into a ref an enclosing `vmap` does
+                # not map (as eager writes say it: `_buffer.unbatched_message`)
+                cells = [i for i in (*sig.ref_idx, *sig.refbuf_idx) if i < sig.n_carry]
+                names = _leaf_names(sig.unflatten(leaves), cells[:3])
+                more = f" and {len(cells) - 3} more" if len(cells) > 3 else ""
+                names = [n.replace(".value`", "`") for n in names]
+                what = f"ref-mode state cell (one of {', '.join(names)}{more})"
+                raise StateWriteError(unbatched_message(what, e)) from e
             _reraise(e, dyn, sig, leaves)
             if self.mesh is not None:
                 explain_sharding_error(e, self.mesh)

@@ -111,6 +111,26 @@ def test_plain_jax_vmap_names_es_vmap():
         jax.vmap(per, axis_name="batch")(jnp.ones((4, 4)))
 
 
+def test_a_compiled_call_under_plain_jax_vmap_says_what_an_eager_one_says():
+    """A ref-mode model closed over by `jax.vmap` and written inside: eager
+    `es.apply` and the compiled runners (`make_apply`, a step) raise the same
+    `StateWriteError` with the fix (they raised JAX's bare `Exception`)."""
+    xs = jax.random.normal(jax.random.key(1), (3, 8, 3))
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    calls = (
+        lambda bn, x: es.apply(lambda m, x: m(x), bn, x)[0],
+        lambda bn, x: es.make_apply(lambda m, x: m(x))(bn, x)[0],
+        lambda bn, x: step(bn, step.init(bn), x)[0].weight,
+    )
+    for call in calls:
+        bn = es.to_refs(es.nn.BatchNorm(3))
+        with pytest.raises(
+            es.StateWriteError, match=r"inside `jax.vmap`.*eqx_state\.vmap"
+        ):
+            jax.vmap(lambda x, bn=bn, call=call: call(bn, x))(xs)
+        assert int(bn.num_batches_tracked[...]) == 0
+
+
 def _nested(m, x):
     """`m` per example under two named `es.vmap`s: outer "o", inner "i"."""
     return es.vmap(
