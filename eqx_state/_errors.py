@@ -60,10 +60,11 @@ class StateError(EqxStateError, RuntimeError):
     """Base class of eqx_state's errors about state cells and steps."""
 
 
-class StateWriteError(StateError):
+class StateWriteError(StateError, ValueError):
     """A state write that cannot land: outside a step in value mode, a wrong shape or
     dtype, or a write JAX cannot express (e.g. a vmapped value into an unbatched
-    cell)."""
+    cell). Also a `ValueError`, which is what JAX raises for a wrong write into a
+    `jax.Ref`, so `except ValueError` around ref writes keeps working."""
 
 
 class StaleModelError(StateError):

@@ -55,6 +55,38 @@ def test_deprecated_names_work_for_one_release(old, new, value):
     assert not hasattr(es, "no_such_name")
 
 
+@pytest.mark.parametrize(
+    "statement",
+    ["from eqx_state import is_array", "from eqx_state.metrics import reset"],
+)
+def test_a_deprecated_name_imported_by_name_warns_once(statement):
+    """`from eqx_state import old` asks `hasattr` before reading: one warning (it
+    gave two)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(statement, "user_script.py", "exec"), {})
+    found = [w for w in caught if w.category is DeprecationWarning]
+    assert len(found) == 1, [str(w.message) for w in found]
+
+
+def test_a_wrong_cell_write_is_also_a_value_error_as_for_a_jax_ref():
+    """JAX raises `ValueError` for a write of the wrong shape or dtype into a
+    `jax.Ref`; a cell's `StateWriteError` is one too, in both modes."""
+    ref = jax.new_ref(jnp.zeros(3))
+    for bad in (jnp.zeros(4), jnp.zeros(3, jnp.complex64)):
+        with pytest.raises(ValueError):
+            ref[...] = bad
+        for cell in (
+            es.to_refs(es.nn.BatchNorm(3)).running_mean,
+            es.nn.BatchNorm(3).running_mean,
+        ):
+            with pytest.raises(ValueError) as info:
+                es.apply(lambda c, v: c.__setitem__(Ellipsis, v), cell, bad)
+            assert isinstance(info.value, es.StateWriteError)
+
+
 def test_is_array_or_ref_differs_from_eqx_is_array_on_refs_only():
     ref = es.to_refs(es.nn.Counter()).count.value
     assert es.is_array_or_ref(ref) and not eqx.is_array(ref)
