@@ -453,7 +453,7 @@ class Compiled:
             "takes `mask=`). This warning is shown once per step "
             "(`eqx_state.RecompileWarning`).",
             RecompileWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     def _signature(self, carry_leaves: list, carry_td: Any, leaves: list, arg_td):

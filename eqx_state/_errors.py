@@ -9,14 +9,20 @@ ValueError` clauses keep working.
 
 def user_stacklevel() -> int:
     """`warnings.warn`'s `stacklevel` for the user's line that called into the
-    library, from the function that warns (frames of the package and of the
-    type-checking wrappers jaxtyping/beartype put around it are skipped)."""
+    library, from the function that warns: frames of the package, of JAX (a
+    warning given while a call is traced sits under `jax.jit`'s frames), and of the
+    type-checking wrappers jaxtyping/beartype put around it are skipped."""
     import os
     import sys
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    skipped = [os.path.dirname(os.path.abspath(__file__)), "<"]
+    for name in ("jax", "jaxlib", "jaxtyping", "beartype"):
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            skipped.append(os.path.dirname(os.path.abspath(module.__file__)))
+    prefixes = tuple(skipped)
     frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith((package, "<"))):
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -145,12 +145,14 @@ step = es.make_step(lambda m, x, scale: scale * jnp.mean(jax.vmap(m)(x) ** 2),
 o = step.init(m)
 for s in (1.0, 2.0, 3.0, 4.0):
     m, o = step(m, o, jnp.ones((2, 2)), scale=s)  # line 8
+m, o = step(m, o, jnp.ones((3, 2)), scale=1.0)  # line 9: a new shape, traced
 """
 
 
 def test_the_recompile_warning_points_at_the_users_call(tmp_path):
     """Run as a user runs it (no type-checking import hook, which adds frames):
-    the warning names the line of the user's step call."""
+    each warning (a changing Python number, a new shape) names the line of the
+    user's step call."""
     import subprocess
     import sys
 
@@ -164,6 +166,8 @@ def test_the_recompile_warning_points_at_the_users_call(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"{script}:8: RecompileWarning" in out.stderr, out.stderr[-2000:]
+    # the shape warning is given while JAX traces the call: JAX's frames skipped too
+    assert f"{script}:9: RecompileWarning" in out.stderr, out.stderr[-2000:]
 
 
 def test_an_assigned_hyperparameter_array_is_donated_as_documented():
