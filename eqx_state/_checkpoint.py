@@ -23,7 +23,8 @@ import re
 import secrets
 import stat
 import struct
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ import numpy as np
 from ._buffer import check_live, is_state
 from ._compat import Tracer, ref_is_consumed
 from ._errors import StaleModelError, StateError, StateValueError, stale_message
+from ._modes import check_no_shared_refs
 
 
 try:
@@ -118,9 +120,11 @@ _OPTIONAL = {
 
 class CheckpointError(StateError):
     """A checkpoint that cannot be saved or loaded: a missing, truncated, corrupt or
-    malformed file; a tree, shape, dtype or array kind that differs from the model it
-    is loaded into; or a leaf that no checkpoint could restore (a string or object
-    array, a value inside a `jit` trace)."""
+    malformed file; a target that is not a file (a missing folder, `None`, a file
+    object not open for writing); a tree, shape, dtype or array kind that differs
+    from the model it is loaded into; a leaf that no checkpoint could restore (a
+    string or object array, a value inside a `jit` trace); or a ref-mode model that
+    holds one ref at two places (refused by every persistence path)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -133,6 +137,20 @@ def _is_python_scalar(x: Any) -> bool:
 
 def _is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _check_refs_unshared(tree: Any, caller: str, record: str) -> None:
+    """The one rule on a whole tree that every persistence path applies before it
+    reads a leaf (`es.save`, `es.to_orbax`, `es.state_dict`): no ref at two places.
+    `record` names what the path writes ("a checkpoint", "a state dict")."""
+    try:
+        check_no_shared_refs(tree)
+    except StateError as e:
+        raise CheckpointError(
+            f"`{caller}` refuses a tree that holds one ref at two places: {record} "
+            "names each place, so it would hold that one state twice and load it "
+            f"back as two independent ones. {e}"
+        ) from e
 
 
 def _check_live(x: Any, where: str) -> None:
@@ -217,14 +235,28 @@ def _little(arr: np.ndarray) -> np.ndarray:
 
 
 def _check_dtype(name: str, dtype: np.dtype) -> None:
-    if dtype.name not in _DTYPES:
+    """The one rule on array dtypes, shared by `es.save` and `es.to_orbax`."""
+    if dtype.name in _DTYPES:
+        return
+    if dtype.kind in "fc":  # NumPy's longdouble / clongdouble: wider than any above
+        wide, std = ("longdouble", "float64")
+        if dtype.kind == "c":
+            wide, std = ("clongdouble", "complex128")
         raise CheckpointError(
-            f"Cannot save the leaf at {name}: it is an array of dtype {dtype} "
-            f"({dtype.kind!r} kind), which no checkpoint can restore as an array "
-            "(strings, objects, records and dates are not numbers). Keep such values "
-            "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`), "
-            "or convert them to a numeric array."
+            f"Cannot save the leaf at {name}: it is an array of dtype {dtype}, "
+            f"NumPy's extended precision (`np.{wide}`), which JAX has no dtype for "
+            "and whose bytes differ between machines (x87 80-bit padded to 96 or 128 "
+            "bits, or IEEE quadruple), so no checkpoint can restore it exactly. "
+            f"Convert it with `x.astype(np.{std})` (rounding to {std}), or keep it "
+            "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`)."
         )
+    raise CheckpointError(
+        f"Cannot save the leaf at {name}: it is an array of dtype {dtype} "
+        f"({dtype.kind!r} kind), which no checkpoint can restore as an array "
+        "(strings, objects, records and dates are not numbers). Keep such values "
+        "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`), "
+        "or convert them to a numeric array."
+    )
 
 
 def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
@@ -295,6 +327,7 @@ def _witness_paths(tree: Any) -> set[str]:
 def _encode_tree(tree: Any) -> list[Any]:
     """The file as a list of byte buffers (prefix and header, then each leaf's bytes
     without a copy), to be written in order and followed by their SHA-256."""
+    _check_refs_unshared(tree, "es.save", "a checkpoint")
     entries = []
     chunks = []
     seen: set[str] = set()
@@ -335,17 +368,36 @@ def _write_all(fd: int, data: Any) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _write_path(path: str, parts: list[Any]) -> None:
-    target = os.path.realpath(path)  # a symlink is written through, to its target
+def _checked_path(path: str) -> str:
+    """The file that a save to `path` replaces (a symlink is written through, to
+    its target), after the checks that need no writing."""
+    target = os.path.realpath(path)
     if os.path.isdir(target):
         raise CheckpointError(
             f"Cannot save to {path!r}: it is a directory. Give a file name."
         )
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise CheckpointError(
+            f"Cannot save to {path!r}: the folder {folder!r} does not exist. Create "
+            f"it first (`os.makedirs({folder!r}, exist_ok=True)`), or give a path "
+            "in an existing folder."
+        )
+    return target
+
+
+def _write_path(path: str, target: str, parts: list[Any]) -> None:
     folder, base = os.path.split(target)
     _remove_stale_temps(folder, base)
     tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
+    try:
+        fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
+    except OSError as e:  # no permission, a read-only file system, ...
+        raise CheckpointError(
+            f"Cannot save to {path!r}: no file can be created in {folder!r} "
+            f"({e.strerror or e}). Save into a folder you can write to."
+        ) from e
     try:
         if fcntl is not None:  # held while writing: a live save is never cleaned
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -358,11 +410,16 @@ def _write_path(path: str, parts: list[Any]) -> None:
         _write_parts(lambda data: _write_all(fd, data), parts)
         os.fsync(fd)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):  # a full disk, a quota, ...
+            raise CheckpointError(
+                f"Cannot save to {path!r}: writing failed ({e.strerror or e}). "
+                "The previous checkpoint there, if any, is intact."
+            ) from e
         raise
     finally:
         os.close(fd)
@@ -415,9 +472,13 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
 
     `save` refuses, with a [`eqx_state.CheckpointError`][] naming the leaf, anything
     [`eqx_state.load`][] could not restore exactly: string, object or record arrays,
-    tracers (a call inside `jit`), Python ints beyond 64 bits, arrays sharded over
-    several processes (use Orbax for those). A model consumed by a donating step
-    raises [`eqx_state.StaleModelError`][].
+    NumPy's extended-precision `longdouble`, tracers (a call inside `jit`), Python
+    ints beyond 64 bits, arrays sharded over several processes (use Orbax for
+    those); and a ref-mode model that holds one ref at two places (it would load
+    back as two states; declare sharing with `eqx.nn.Shared`). A model consumed by
+    a donating step raises [`eqx_state.StaleModelError`][]. A target that is not a
+    writable file (a missing folder, `None`, a file object opened for reading)
+    raises `CheckpointError` naming it, before any array is read.
 
     Writing to a path is atomic: the bytes go to a temporary file next to the target
     (`.NAME.XXXXXXXXXXXX.eqxs-tmp`), which then replaces it, so a crash mid-save never
@@ -449,15 +510,71 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
     bn3 = es.load(buffer, like=bn)
     ```
     """
-    parts = _encode_tree(tree)
-    if isinstance(path_or_file, str | os.PathLike):
-        _write_path(os.fspath(path_or_file), parts)
-        return
-    if isinstance(path_or_file, io.TextIOBase):
+    write = _writer(path_or_file)
+    write(_encode_tree(tree))
+
+
+def _file_name(f: Any) -> str:
+    return repr(getattr(f, "name", "<file object>"))
+
+
+def _not_a_target(caller: str, target: Any, mode: str) -> CheckpointError:
+    """The error for a `path_or_file` that is neither a path nor a file object."""
+    fix = ""
+    if isinstance(target, bytes | bytearray | memoryview):
+        got = f"{len(target)} bytes"
+        fix = " Give a path as a `str` or `pathlib.Path`"
+        if caller == "es.load":
+            fix += (
+                ", and a checkpoint held in memory as a file object: "
+                "`es.load(io.BytesIO(data), like=...)`"
+            )
+        fix += "."
+    else:
+        got = "None" if target is None else f"an object of type {type(target).__name__}"
+    return CheckpointError(
+        f"`{caller}` needs a path (a `str` or `os.PathLike`) or a binary file object "
+        f"(`open(path, {mode!r})`, `io.BytesIO()`), but was given {got}.{fix}"
+    )
+
+
+def _writer(target: Any) -> Callable[[list[Any]], None]:
+    """What writes a checkpoint's parts to `target`, after the checks that need
+    no writing (so that a bad target fails before any array is read)."""
+    if isinstance(target, str | os.PathLike):
+        path = os.fsdecode(target)
+        real = _checked_path(path)
+        return lambda parts: _write_path(path, real, parts)
+    if isinstance(target, io.TextIOBase):
         raise CheckpointError(
             "`es.save` needs a binary file: open it with mode 'wb', not 'w'."
         )
-    _write_parts(cast(Any, path_or_file).write, parts)
+    write = getattr(target, "write", None)
+    if not callable(write):
+        raise _not_a_target("es.save", target, "wb")
+    name = _file_name(target)
+    writable = getattr(target, "writable", None)
+    try:
+        can_write = not callable(writable) or writable()
+    except ValueError as e:  # a closed file
+        raise CheckpointError(
+            f"Cannot save to the file object {name}: {e}. Pass an open file."
+        ) from e
+    if not can_write:
+        raise CheckpointError(
+            f"Cannot save to the file object {name}: it is not open for writing. "
+            "Open it with mode 'wb' (or 'ab', 'r+b')."
+        )
+
+    def to_file(parts: list[Any]) -> None:
+        try:
+            _write_parts(write, parts)
+        except (OSError, ValueError) as e:  # a full disk, a closed file, ...
+            raise CheckpointError(
+                f"Cannot save to the file object {name}: writing failed ({e})."
+            ) from e
+
+    return to_file
 
 
 # --------------------------------------------------------------------------------------
@@ -579,7 +696,7 @@ def _read_blob(path_or_file: Any) -> tuple[str, bytearray, bytes]:
     """The name, the bytes of one checkpoint and, for a seekable stream, the bytes
     that follow it (for `_check_tail`)."""
     if hasattr(path_or_file, "read"):
-        name = repr(getattr(path_or_file, "name", "<file object>"))
+        name = _file_name(path_or_file)
         if isinstance(path_or_file, io.TextIOBase):
             raise CheckpointError(
                 f"The file object {name} is in text mode: open checkpoints in binary "
@@ -589,7 +706,9 @@ def _read_blob(path_or_file: Any) -> tuple[str, bytearray, bytes]:
             return name, *_read_one(path_or_file, name)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"Cannot read the checkpoint {name}: {e}") from e
-    path = os.fspath(path_or_file)
+    if not isinstance(path_or_file, str | os.PathLike):
+        raise _not_a_target("es.load", path_or_file, "rb")
+    path = os.fsdecode(path_or_file)
     name = repr(path)
     if not os.path.exists(path):
         raise CheckpointError(f"No checkpoint at {name}.")
@@ -865,8 +984,8 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
        whole file (header and data), so any truncation or flipped bit is detected.
     2. **Structure of the header**: known fields only, of the right types; known
        dtypes; shapes of non-negative integers; no path twice; the leaves' data
-       exactly fill the file. (An unreadable file, a directory or a text-mode file
-       object also raise `CheckpointError`.)
+       exactly fill the file. (An unreadable file, a directory, a text-mode file
+       object, `None` or bytes instead of a path also raise `CheckpointError`.)
     3. **Against `like`**: the file holds exactly the leaves of `like` (same paths,
        none missing, none extra), each with the same shape and dtype, the same array
        kind (JAX array, NumPy data, or the same Python scalar type) and,

@@ -11,9 +11,10 @@ import numpy as np
 from jax.core import Tracer
 
 from ._checkpoint import (
-    _DTYPES,
     CheckpointError,
+    _check_dtype,
     _check_live,
+    _check_refs_unshared,
     _is_python_scalar,
     _make_weak,
     _numpy_leaf,
@@ -40,12 +41,7 @@ def _saveable(path: Any, x: Any) -> Any:
         return x
     if isinstance(x, np.ndarray | np.generic):
         x = np.asarray(x)  # Orbax stores NumPy scalars as 0-d arrays
-        if x.dtype.name not in _DTYPES:
-            raise CheckpointError(
-                f"Cannot checkpoint the leaf at {_where(path)}: an array of dtype "
-                f"{x.dtype} is not numeric. Keep it out of the saved tree (e.g. as a "
-                "static field)."
-            )
+        _check_dtype(_where(path), x.dtype)
         return x
     if _is_python_scalar(x):
         return np.asarray(x) if isinstance(x, complex) else x
@@ -64,7 +60,8 @@ def to_orbax(tree: Any) -> Any:
 
     Raises [`eqx_state.StaleModelError`][] if `tree` was consumed by a donating step
     (save the model the step returned), and [`eqx_state.CheckpointError`][] for a
-    tracer or a non-numeric array.
+    tracer, an array that no checkpoint can restore (as [`eqx_state.save`][]
+    refuses it) or a ref-mode model that holds one ref at two places.
 
     **Arguments:**
 
@@ -90,6 +87,7 @@ def to_orbax(tree: Any) -> Any:
     model = es.from_orbax(restored, like=model)  # ref mode again
     ```
     """
+    _check_refs_unshared(tree, "es.to_orbax", "a checkpoint")
     return jax.tree_util.tree_map_with_path(_saveable, without_witnesses(tree))
 
 

@@ -1,6 +1,15 @@
 """Filter specs for Equinox's own serialisation (`eqx.tree_serialise_leaves` /
 `eqx.tree_deserialise_leaves`) that save ref-mode cells and typed PRNG keys, which
-Equinox's default filter specs skip (refs) or cannot write (typed keys)."""
+Equinox's default filter specs skip (refs) or cannot write (typed keys).
+
+A filter spec sees one leaf at a time, never its path, so it cannot ask
+`_checkpoint._witness_paths` which leaves are the shape witnesses of ref-mode cells
+(`Buffer.witness`). It finds them by the order in which every pytree flattens a
+cell: its witness is the leaf right after its ref, an array of shape
+`(*ref.shape, 0)`. Like `es.save`, neither spec writes or reads a witness, so a file
+holds what the model's value-mode copy (`es.freeze`) holds and loads into either
+mode.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +27,39 @@ from ._checkpoint import (
     _make_weak,
     _read_ref,
 )
+from ._modes import _WITNESS_DTYPE
+
+
+# Per file object (by identity; the object is held, so its id cannot be reused while
+# an entry is here): the shape of the witness expected as the next leaf, set by a
+# ref and taken by the next call on the same file, whatever its leaf.
+_NEXT_WITNESS: dict[int, tuple[Any, tuple[int, ...]]] = {}
+
+
+def _after_ref(f: Any, ref: Any) -> None:
+    _NEXT_WITNESS[id(f)] = (f, (*ref.shape, 0))
+
+
+def _is_witness(f: Any, x: Any) -> bool:
+    """Whether `x`, the leaf after a ref on the file `f`, is that ref's witness."""
+    _, shape = _NEXT_WITNESS.pop(id(f), (None, None))
+    return (
+        shape is not None
+        and isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+        and x.dtype == _WITNESS_DTYPE
+        and tuple(x.shape) == shape
+    )
+
+
+def _what(x: Any) -> str:
+    """The leaf being written, for an error message. A filter spec does not see the
+    leaf's path; Equinox's `TreePathError`, raised from the error, names it."""
+    kind = "a ref-mode cell" if isinstance(x, jax.Ref) else "an array"
+    return (
+        f"leaf that `eqx.tree_serialise_leaves` was writing ({kind} of "
+        f"{x.dtype}{list(x.shape)}; Equinox's `TreePathError`, raised from this "
+        "error, names its path)"
+    )
 
 
 def serialise_filter_spec(f: Any, x: Any) -> None:
@@ -50,13 +92,18 @@ def serialise_filter_spec(f: Any, x: Any) -> None:
     )
     ```
     """
-    if isinstance(x, jax.Ref):
-        x = _read_ref(x, "A ref-mode cell")
+    if _is_witness(f, x):
+        return  # derived from its cell: not saved
+    ref = x if isinstance(x, jax.Ref) else None
+    if ref is not None:
+        x = _read_ref(ref, _what(ref))
     if isinstance(x, jax.Array):
-        _check_live(x, "A leaf")
+        _check_live(x, _what(x))
         if _is_key_dtype(x.dtype):
             x = jax.random.key_data(x)
     eqx.default_serialise_filter_spec(f, x)
+    if ref is not None:
+        _after_ref(f, ref)
 
 
 def deserialise_filter_spec(f: Any, x: Any) -> Any:
@@ -77,14 +124,21 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
 
     The loaded leaf.
     """
+    if _is_witness(f, x):  # not in the file: derived from its cell
+        return x if isinstance(x, jax.Array) else jnp.zeros(x.shape, x.dtype)
     if isinstance(x, jax.Ref):
-        value = deserialise_filter_spec(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        value = _read_leaf(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
         if value.shape != x.shape:
             raise CheckpointError(
                 f"A ref-mode cell of shape {x.shape} was saved with shape "
                 f"{value.shape}: the file was saved from a different model."
             )
+        _after_ref(f, x)
         return jax.new_ref(value, kind=getattr(jax.typeof(x), "kind", None))
+    return _read_leaf(f, x)
+
+
+def _read_leaf(f: Any, x: Any) -> Any:
     if isinstance(x, jax.Array | jax.ShapeDtypeStruct) and _is_key_dtype(x.dtype):
         data = jnp.load(f)
         impl = _key_impl_of_dtype(x.dtype)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RngState, check_live, is_state
+from ._checkpoint import _check_refs_unshared
 from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
 from ._modes import to_refs
 from ._torch_names import (
@@ -164,7 +165,10 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
 
     **Raises:**
 
-    `eqx_state.StaleModelError` if the model was consumed by a step.
+    `eqx_state.StaleModelError` if the model was consumed by a step;
+    `eqx_state.CheckpointError` if a ref-mode model holds one ref at two places (it
+    would be listed under two names and loaded back as two states; share state with
+    `eqx.nn.Shared`, as [`eqx_state.save`][] also requires).
 
     **Example:**
 
@@ -182,6 +186,7 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
     print(sd["conv1.bias"].shape)  # (8,)
     ```
     """
+    _check_refs_unshared(model, "es.state_dict", "a state dict")
     out: dict[str, Any] = {}
     _export(model, "", out)
     return out

@@ -4,6 +4,7 @@ errors for missing, mismatched or unsaveable input. (Corrupt and malformed files
 tests/test_checkpoint_integrity.py.)"""
 
 import gc
+import inspect
 import io
 import os
 import pickle
@@ -118,6 +119,32 @@ def test_declared_sharing_round_trips(tmp_path):
     a, b = loaded()
     np.testing.assert_array_equal(a.weight, lin.weight)
     np.testing.assert_array_equal(b.weight, lin.weight)
+
+
+class TwoCounters(eqx.Module):
+    a: es.nn.Counter
+    b: es.nn.Counter
+
+
+def test_one_ref_at_two_places_is_refused(tmp_path):
+    """As `es.freeze` and `es.apply` refuse it: the file would hold the one state
+    twice and load it back as two."""
+    counter = es.to_refs(es.nn.Counter())
+    model = TwoCounters(counter, counter)
+    with pytest.raises(es.CheckpointError) as info:
+        es.save(tmp_path / "c", model)
+    message = str(info.value)
+    assert message.startswith("`es.save` refuses a tree that holds one ref at two")
+    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert isinstance(info.value, es.StateError)  # what docs/misuse.md promises
+    assert isinstance(info.value.__cause__, es.StateError)
+    assert not (tmp_path / "c").exists()
+    # each place with its own ref saves and loads as two states
+    model = es.to_refs(TwoCounters(es.nn.Counter(), es.nn.Counter()))
+    model.a.increment()
+    es.save(tmp_path / "c", model)
+    loaded = es.load(tmp_path / "c", like=model)
+    assert (int(loaded.a.count[...]), int(loaded.b.count[...])) == (1, 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -268,6 +295,30 @@ def test_save_refuses_what_load_cannot_restore(tmp_path, leaf, what):
     with pytest.raises(es.CheckpointError, match=rf"leaf at \['bad'\].*{what}"):
         es.save(tmp_path / "c", {"ok": jnp.ones(1), "bad": leaf})
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.skipif(
+    np.dtype(np.longdouble).itemsize == 8, reason="longdouble is float64 here"
+)
+@pytest.mark.parametrize(
+    "dtype, fix", [(np.longdouble, "float64"), (np.clongdouble, "complex128")]
+)
+def test_extended_precision_is_refused_as_such(tmp_path, dtype, fix):
+    leaf = np.array([1 / 3], dtype)
+    with pytest.raises(es.CheckpointError) as info:
+        es.save(tmp_path / "c", {"ok": jnp.ones(1), "bad": leaf})
+    message = str(info.value)
+    assert message.startswith(
+        f"Cannot save the leaf at ['bad']: it is an array of dtype {leaf.dtype}, "
+        "NumPy's extended precision"
+    )
+    assert f"x.astype(np.{fix})" in message and "not numbers" not in message
+    assert not (tmp_path / "c").exists()
+    # the fix it names saves and loads the rounded value bit for bit
+    es.save(tmp_path / "c", {"x": leaf.astype(fix)})
+    got = es.load(tmp_path / "c", like={"x": np.zeros(1, fix)})["x"]
+    assert got.dtype == np.dtype(fix)
+    assert got.tobytes() == leaf.astype(fix).tobytes()
 
 
 def test_save_inside_jit_is_refused(tmp_path):
@@ -527,6 +578,97 @@ def test_saving_to_a_directory_is_refused(tmp_path):
         es.load(tmp_path, like=Net())
 
 
+def test_saving_into_a_missing_folder_names_it(tmp_path):
+    target = tmp_path / "no" / "such" / "c.eqxs"
+    with pytest.raises(es.CheckpointError) as info:
+        es.save(target, Net())
+    message = str(info.value)
+    assert message.startswith(f"Cannot save to {str(target)!r}: the folder ")
+    assert f"os.makedirs({str(target.parent)!r}, exist_ok=True)" in message
+    assert "eqxs-tmp" not in message  # no internal temporary file named
+    os.makedirs(target.parent)
+    es.save(target, Net())  # the fix it names
+    assert_tree_exact(es.load(target, like=Net(seed=3)), Net())
+
+
+def test_a_folder_that_refuses_new_files_is_named(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def denied(path, flags, *args):
+        if flags & os.O_CREAT:  # as in a read-only folder (root may write anyway)
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(es.CheckpointError) as info:
+        es.save(tmp_path / "c", Net())
+    assert str(info.value).startswith(
+        f"Cannot save to {str(tmp_path / 'c')!r}: no file can be created in "
+        f"{str(tmp_path)!r} (Permission denied)"
+    )
+    assert type(info.value.__cause__) is PermissionError
+
+
+# The suite's jaxtyping/beartype import hook checks `path_or_file`'s annotation before
+# the function runs (a `TypeCheckError`); what a user sees is the function's own
+# error, so these call the function the hook wraps.
+save_unchecked = inspect.unwrap(es.save)
+load_unchecked = inspect.unwrap(es.load)
+
+
+@pytest.mark.parametrize(
+    "target, got",
+    [(None, "was given None"), (3, "object of type int"), (b"c.eqxs", "6 bytes")],
+)
+def test_save_refuses_what_is_not_a_path_or_a_file(target, got):
+    with pytest.raises(es.CheckpointError) as info:
+        save_unchecked(target, Net())
+    message = str(info.value)
+    assert message.startswith("`es.save` needs a path") and got in message
+    assert "open(path, 'wb')" in message
+
+
+def test_save_refuses_a_file_object_not_open_for_writing(tmp_path):
+    (tmp_path / "c").write_bytes(b"")
+    with open(tmp_path / "c", "rb") as f:
+        with pytest.raises(es.CheckpointError, match=r"not open for writing.*'wb'"):
+            es.save(f, Net())
+    f = open(tmp_path / "d", "wb")
+    f.close()
+    with pytest.raises(es.CheckpointError, match=r"closed file") as info:
+        es.save(f, Net())
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_a_failed_write_to_a_file_object_keeps_the_cause():
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(es.CheckpointError, match=r"writing failed") as info:
+        es.save(Full(), Net())
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_load_refuses_what_is_not_a_path_or_a_file():
+    with pytest.raises(es.CheckpointError, match=r"was given None"):
+        load_unchecked(None, like=Net())
+    # the bytes of a checkpoint: not taken for a path, not printed
+    buffer = io.BytesIO()
+    es.save(buffer, Net())
+    data = buffer.getvalue()
+    with pytest.raises(es.CheckpointError) as info:
+        load_unchecked(data, like=Net())
+    message = str(info.value)
+    assert f"was given {len(data)} bytes" in message
+    assert "es.load(io.BytesIO(data), like=...)" in message
+    assert "EQXSTATE" not in message and len(message) < 400
+    assert_tree_exact(es.load(io.BytesIO(data), like=Net(seed=3)), Net())
+
+
 def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "c"
     es.save(path, Net())
@@ -536,8 +678,10 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(es.CheckpointError, match="writing failed .disk full") as info:
         es.save(path, Net(seed=3))
+    assert str(info.value).startswith(f"Cannot save to {str(path)!r}")
+    assert type(info.value.__cause__) is OSError
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["c"]  # no temporary file left behind
 

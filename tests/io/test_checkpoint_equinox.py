@@ -175,3 +175,101 @@ def test_es_filter_specs_reject_a_different_ref_shape(tmp_path):
             filter_spec=es.deserialise_filter_spec,
         )
     assert isinstance(root_cause(info.value), es.CheckpointError)
+
+
+# ------------------------------------------------------ the file is the frozen model's
+
+
+def _frozen_bits(model):
+    """Every array leaf of the value-mode copy, as NumPy bits (typed keys as data)."""
+    out = []
+    for leaf in jax.tree.leaves(es.freeze(model)):
+        if isinstance(leaf, jax.Array):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            leaf = np.asarray(leaf)
+            out.append((leaf.dtype, leaf.shape, leaf.tobytes()))
+    return out
+
+
+def test_es_filter_spec_writes_the_bytes_of_the_frozen_model(tmp_path):
+    """docs/equinox.md: the same bytes as Equinox's default on `es.freeze(model)`;
+    the zero-size shape witnesses of ref-mode cells are not written."""
+    model = trained(Plain, "ref")
+    eqx.tree_serialise_leaves(
+        tmp_path / "spec.eqx", model, filter_spec=es.serialise_filter_spec
+    )
+    eqx.tree_serialise_leaves(tmp_path / "frozen.eqx", es.freeze(model))
+    assert (tmp_path / "spec.eqx").read_bytes() == (
+        tmp_path / "frozen.eqx"
+    ).read_bytes()
+    eqx.tree_serialise_leaves(
+        tmp_path / "value.eqx", es.freeze(model), filter_spec=es.serialise_filter_spec
+    )
+    assert (tmp_path / "value.eqx").read_bytes() == (
+        tmp_path / "frozen.eqx"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("cls", [Plain, WithKey])
+@pytest.mark.parametrize("saved, loaded", [("ref", "value"), ("value", "ref")])
+def test_es_filter_spec_files_load_into_either_mode(tmp_path, cls, saved, loaded):
+    model = trained(cls, saved)
+    path = tmp_path / "m.eqx"
+    eqx.tree_serialise_leaves(path, model, filter_spec=es.serialise_filter_spec)
+    like = cls(seed=5)
+    like = es.to_refs(like) if loaded == "ref" else like
+    got = eqx.tree_deserialise_leaves(
+        path, like, filter_spec=es.deserialise_filter_spec
+    )
+    assert _frozen_bits(got) == _frozen_bits(model)
+    if loaded == "ref":
+        for cell in jax.tree.leaves(got, is_leaf=es.is_state):
+            if es.is_state(cell):
+                assert isinstance(cell.value, jax.Ref)
+                assert cell.witness.shape == (*cell.value.shape, 0)
+        got.steps.increment()  # the loaded model runs, with its own refs
+        assert (
+            int(got.steps.value[...])
+            == int(np.asarray(es.freeze(model).steps.value)) + 1
+        )
+    else:
+        assert_tree_exact(got, es.freeze(model))
+
+
+def test_es_filter_spec_names_a_consumed_leaf_and_equinox_its_path(tmp_path):
+    model = Plain()
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(1e-2))
+    step(model, step.init(model), jnp.ones((4, 3)))
+    with pytest.raises(RuntimeError, match=r"path.*'lin'.*'weight'") as info:
+        eqx.tree_serialise_leaves(
+            tmp_path / "m.eqx", model, filter_spec=es.serialise_filter_spec
+        )
+    message = str(root_cause(info.value))
+    assert message.startswith(
+        "The leaf that `eqx.tree_serialise_leaves` was writing (an array of "
+        "float32[4, 3]"
+    )
+    assert "TreePathError" in message and "The A " not in message
+
+
+def test_es_filter_spec_names_a_consumed_ref_mode_cell(tmp_path):
+    """JAX donates ref arguments to a jitted call, even one that then fails."""
+    model = es.to_refs(es.Buffer(jnp.ones(2)))
+
+    @jax.jit
+    def fails(m):
+        v = m.value[...]
+        return eqx.error_if(v, v[0] > 0, "boom")
+
+    with pytest.raises(Exception, match="boom"):
+        fails(model)
+    with pytest.raises(RuntimeError, match=r"path.*'value'") as info:
+        eqx.tree_serialise_leaves(
+            tmp_path / "m.eqx", model, filter_spec=es.serialise_filter_spec
+        )
+    assert isinstance(root_cause(info.value), es.StaleModelError)
+    assert str(root_cause(info.value)).startswith(
+        "The leaf that `eqx.tree_serialise_leaves` was writing (a ref-mode cell of "
+        "float32[2]"
+    )

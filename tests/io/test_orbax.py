@@ -189,10 +189,41 @@ def test_a_consumed_model_raises_stale_model_error():
 
 
 def test_to_orbax_refuses_tracers_and_text():
-    with pytest.raises(es.CheckpointError, match=r"\['s'\]: an array of dtype <U1"):
+    with pytest.raises(
+        es.CheckpointError, match=r"\['s'\]: it is an array of dtype <U1"
+    ):
         es.to_orbax({"s": np.array(["a"])})
     with pytest.raises(es.CheckpointError, match="tracer"):
         jax.jit(lambda x: es.to_orbax({"x": x}))(jnp.ones(2))
+
+
+@pytest.mark.skipif(
+    np.dtype(np.longdouble).itemsize == 8, reason="longdouble is float64 here"
+)
+def test_to_orbax_refuses_extended_precision_as_es_save_does(tmp_path):
+    """One dtype rule for both paths, with the same message."""
+    tree = {"x": np.array([1 / 3], np.longdouble)}
+    with pytest.raises(es.CheckpointError) as by_orbax:
+        es.to_orbax(tree)
+    with pytest.raises(es.CheckpointError) as by_save:
+        es.save(tmp_path / "c", tree)
+    assert str(by_orbax.value) == str(by_save.value)
+    assert "NumPy's extended precision (`np.longdouble`)" in str(by_orbax.value)
+
+
+class TwoCounters(eqx.Module):
+    a: es.nn.Counter
+    b: es.nn.Counter
+
+
+def test_one_ref_at_two_places_is_refused():
+    counter = es.to_refs(es.nn.Counter())
+    with pytest.raises(es.CheckpointError) as info:
+        es.to_orbax(TwoCounters(counter, counter))
+    message = str(info.value)
+    assert message.startswith("`es.to_orbax` refuses a tree that holds one ref at two")
+    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert isinstance(info.value, es.StateError)
 
 
 def test_arrays_pass_through_unchanged(tmp_path):

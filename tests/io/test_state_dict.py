@@ -411,6 +411,33 @@ def test_duplicate_names_are_refused():
         es.state_dict({"a": {"b": jnp.zeros(1)}, "a.b": jnp.ones(1)})
 
 
+class TwoCounters(eqx.Module):
+    a: es.nn.Counter
+    b: es.nn.Counter
+
+
+def test_one_ref_at_two_places_is_refused():
+    """Exported under two names, the one state would load back as two states;
+    `es.save` and `es.to_orbax` refuse it too."""
+    counter = es.to_refs(es.nn.Counter())
+    with pytest.raises(es.CheckpointError) as info:
+        es.state_dict(TwoCounters(counter, counter))
+    message = str(info.value)
+    assert message.startswith(
+        "`es.state_dict` refuses a tree that holds one ref at two places: a state "
+        "dict names each place"
+    )
+    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert isinstance(info.value, es.StateError)
+    # each place with its own ref: two names, two values, bit for bit
+    model = es.to_refs(TwoCounters(es.nn.Counter(), es.nn.Counter()))
+    model.a.increment()
+    sd = es.state_dict(model)
+    assert list(sd) == ["a.count", "b.count"]
+    assert sd["a.count"].tobytes() == np.array(1, np.int32).tobytes()
+    assert sd["b.count"].tobytes() == np.array(0, np.int32).tobytes()
+
+
 class Keyed(eqx.Module):
     key: es.RngState
     rng: es.nn.Rng
