@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
-from ._errors import StepError
+from ._errors import StateValueError, StepError
 from ._modes import argument_name, refreeze, thaw, without_witnesses
 
 
@@ -136,7 +136,15 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
     else:
         marker = _Unselected()
         spec = without_witnesses(trainable)  # a no-op on a callable
-        selected = eqx.filter(model, spec, replace=marker)
+        try:
+            selected = eqx.filter(model, spec, replace=marker)
+        except ValueError as e:  # Equinox's refusal of a malformed filter spec
+            raise StateValueError(
+                "`trainable` must be None, a predicate `param -> bool`, or an "
+                "Equinox filter spec (a prefix of the model's tree of bools and "
+                f"callables, as for `eqx.filter`), got {type(trainable).__name__} "
+                f"({e})."
+            ) from e
         flags = iter(x is not marker for x in jax.tree_util.tree_leaves(selected))
     mask = []
     for node in nodes:
@@ -185,6 +193,15 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
             + (" (as the first element of `(loss, aux)`)" if has_aux else "")
             + f", got shape {jnp.shape(value)}. Reduce it (e.g. `jnp.mean`), or pass "
             "`has_aux=True` if it returns `(loss, aux)`."
+        )
+    dtype = jnp.result_type(value)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise StepError(
+            f"`loss_fn` must return a real floating-point loss, got dtype {dtype}: "
+            "gradients are taken of it. Compute it in floating point (e.g. "
+            "`jnp.mean(errors.astype(jnp.float32))`)"
+            + (", or return it as `aux`" if not has_aux else "")
+            + "."
         )
     return value, aux
 

@@ -5,6 +5,7 @@ compiled by `_dispatch.py`."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import optax
 
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
-from ._errors import ReadOnlyError, StateValueError
+from ._errors import ReadOnlyError, StateTypeError, StateValueError
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, Placement, layout_rule, place, place_carry
 
@@ -57,6 +58,31 @@ class Step:
         scan_unroll: int | bool = 1,
         jit_kwargs: dict[str, Any] | None = None,
     ):
+        check_options(
+            "make_step",
+            loss_fn,
+            jit_kwargs,
+            scan_unroll,
+            has_aux=has_aux,
+            return_loss=return_loss,
+            donate=donate,
+        )
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
+            raise StateTypeError(
+                "make_step: `optimizer` must be an optax optimizer (an object with "
+                "`init` and `update`, e.g. `optax.adam(1e-3)`), got "
+                f"{type(optimizer).__name__}."
+            )
+        if microbatches is not None and (
+            isinstance(microbatches, bool) or not isinstance(microbatches, int)
+        ):
+            raise StateTypeError(
+                "make_step: microbatches must be a whole number >= 1 (or None), got "
+                f"{microbatches!r}."
+            )
         if microbatches is not None and microbatches < 1:
             raise StateValueError(
                 f"make_step: microbatches must be >= 1, got {microbatches}."
@@ -315,6 +341,53 @@ class OwnedLoop:
         return model, opt_state
 
 
+# `jax.jit` options a runner sets itself (`donate=` is its own option).
+_RESERVED_JIT = {
+    "donate_argnums": "use `donate=`",
+    "donate_argnames": "use `donate=`",
+    "static_argnums": "none is needed: Python values in the arguments are static "
+    "already (as in `eqx.filter_jit`)",
+    "static_argnames": "none is needed: Python values in the arguments are static "
+    "already (as in `eqx.filter_jit`)",
+}
+
+
+def check_options(
+    where: str, fn: Any, jit_kwargs: Any, scan_unroll: Any, **flags: Any
+) -> None:
+    """The one check of the options every runner's builder takes (`make_step`,
+    `make_apply`): a callable function, boolean flags, a valid `scan_unroll`, and
+    `jax.jit` options that `jax.jit` takes and the runner does not set itself."""
+    if not callable(fn):
+        raise StateTypeError(
+            f"{where}: the function must be callable, got {type(fn).__name__}."
+        )
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise StateTypeError(
+                f"{where}: `{name}` must be True or False, got {value!r}."
+            )
+    if not isinstance(scan_unroll, bool) and not (
+        isinstance(scan_unroll, int) and scan_unroll >= 1
+    ):
+        raise StateValueError(
+            f"{where}: `scan_unroll` must be a whole number >= 1 or a bool (as "
+            f"`lax.scan`'s `unroll`), got {scan_unroll!r}."
+        )
+    accepted = set(inspect.signature(jax.jit).parameters) - {"fun"}
+    for name in jit_kwargs or {}:
+        if name in _RESERVED_JIT:
+            raise StateValueError(
+                f"{where}: `{name}` is set by the runner itself; {_RESERVED_JIT[name]}."
+            )
+        if name not in accepted:
+            raise StateTypeError(
+                f"{where} got an unexpected keyword argument `{name}`. Its own "
+                "options are in its signature; other keywords go to `jax.jit`, "
+                f"which takes {', '.join(sorted(accepted - set(_RESERVED_JIT)))}."
+            )
+
+
 def trainable_params(model: Any, trainable: Any = None) -> Any:
     """[`eqx_state.params`][] restricted to a filter spec (see `make_step`)."""
     mask = trainable_mask(model, trainable)
@@ -336,6 +409,7 @@ class Apply:
         jit_kwargs: dict,
         scan_unroll: int | bool = 1,
     ):
+        check_options("make_apply", fn, jit_kwargs, scan_unroll, donate=donate)
         self.fn = fn
 
         def pure(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:

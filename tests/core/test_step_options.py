@@ -2,6 +2,7 @@
 14): freezing (`trainable=`), the loss (`return_loss=`), the step count
 (`es.step_count`), a ragged last batch, and errors that name the cell."""
 
+import inspect
 import warnings
 
 import equinox as eqx
@@ -235,3 +236,87 @@ def test_owned_loop_equals_step_calls(mode):
     for a, b in zip(jax.tree.leaves(es.freeze(m)), jax.tree.leaves(es.freeze(model))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert owned_step.trace_count == 1
+
+
+def _mse_loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"microbatches": 0}, es.EqxStateError, r"microbatches must be >= 1"),
+        ({"bogus": 1}, TypeError, r"unexpected keyword argument `bogus`.*jax.jit"),
+        (
+            {"donate_argnums": (0,)},
+            ValueError,
+            r"set by the runner itself; use `donate=`",
+        ),
+        ({"static_argnums": (1,)}, ValueError, r"static already"),
+        ({"scan_unroll": 0}, ValueError, r"scan_unroll"),
+        ({"optimizer": None}, TypeError, r"optax optimizer"),
+    ],
+)
+def test_a_wrong_option_is_refused_when_the_step_is_built(kwargs, error, match):
+    """Each option is checked by `make_step` itself (one check, shared with
+    `make_apply`), as an `EqxStateError` of the built-in type it stands for; they
+    surfaced at the first call as bare `TypeError`s of Python or `jax.jit`, or as
+    'a multiple of 1.5'. (Unwrapped: the test run's type-checking hook would refuse
+    some of them first; those it refuses in every wrapper are run below as a user
+    runs them.)"""
+    make_step = inspect.unwrap(es.make_step)
+    args = {"loss_fn": _mse_loss, "optimizer": optax.sgd(0.1)}
+    args.update(kwargs)
+    with pytest.raises(error, match=match) as info:
+        make_step(args.pop("loss_fn"), args.pop("optimizer"), **args)
+    assert isinstance(info.value, es.EqxStateError)
+    if set(kwargs) & {"bogus", "donate_argnums", "scan_unroll"}:
+        fn = lambda m, x: m(x)  # noqa: E731
+        with pytest.raises(error, match=match):
+            inspect.unwrap(es.make_apply)(fn, **kwargs)
+
+
+def test_a_loss_that_is_not_floating_point_is_named():
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    step = es.make_step(lambda m, x: jnp.sum(x > 0), optax.sgd(0.1))
+    with pytest.raises(es.StepError, match=r"floating-point loss, got dtype int32"):
+        step(model, step.init(model), jnp.ones((4, 2)))
+
+
+def test_a_malformed_trainable_filter_is_named():
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    step = es.make_step(_mse_loss, optax.sgd(0.1), trainable=3)
+    with pytest.raises(
+        es.EqxStateError, match=r"`trainable` must be None, a predicate"
+    ):
+        step(model, step.init(model), jnp.ones((4, 2)))
+
+
+_WRONG_TYPES = """
+import optax, eqx_state as es
+for kwargs in ({"microbatches": 1.5}, {"has_aux": "yes"}, {"loss_fn": 3}):
+    args = {"loss_fn": len, "optimizer": optax.sgd(0.1), **kwargs}
+    try:
+        es.make_step(args.pop("loss_fn"), args.pop("optimizer"), **args)
+    except es.EqxStateError as e:
+        print(type(e).__name__, isinstance(e, TypeError), e)
+"""
+
+
+def test_a_wrong_option_type_is_refused_as_a_user_runs_it():
+    """Without the test run's type-checking hook (which refuses these first)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _WRONG_TYPES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout + out.stderr[-2000:]
+    assert all(line.startswith("StateTypeError True ") for line in lines), lines
+    assert "microbatches must be a whole number" in lines[0]
+    assert "`has_aux` must be True or False" in lines[1]
+    assert "must be callable" in lines[2]
