@@ -256,14 +256,20 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
     slices = jax.tree.map(split, batch)
     zeros = jax.tree.map(jnp.zeros_like, diff)
 
+    aux_static: list[Any] = []
+
     def body(acc, piece):
         args, kwargs = eqx.combine(piece, static)
         (value, aux), g = grad_fn(diff, *args, **kwargs)
+        # Python values of `aux` come back as they are, as from `step.scan` (a
+        # scan's outputs are arrays: they would become `k` stacked copies)
+        aux, out_static = eqx.partition(aux, eqx.is_array)
+        aux_static.append(out_static)
         return jax.tree.map(jnp.add, acc, g), (value, aux)
 
     grads, (values, aux) = jax.lax.scan(body, zeros, slices)
     grads = jax.tree.map(lambda g: g / k, grads)
-    return (jnp.mean(values), aux), grads
+    return (jnp.mean(values), eqx.combine(aux, aux_static[-1])), grads
 
 
 class NeedsFirstCall(StepError):

@@ -345,6 +345,23 @@ def test_microbatches_batchnorm_statistics_are_per_slice():
     assert int(model.bn.num_batches_tracked[...]) == 2
 
 
+def test_microbatches_return_aux_arrays_per_slice_and_python_values_as_they_are():
+    """`aux` arrays come back one per slice (stacked); a Python value in `aux` comes
+    back as the loss returned it, as from a step without microbatches and from
+    `step.scan` (it came back as `k` stacked copies in an array)."""
+    xs, ys = data(1)
+
+    def loss(model, x, y):
+        return plain_loss(model, x, y), {"n": 3, "rows": jnp.sum(x)}
+
+    m = Plain(eqx.nn.Linear(IN, OUT, key=jax.random.key(0)), es.nn.Counter())
+    step = es.make_step(loss, optax.sgd(0.1), has_aux=True, microbatches=2)
+    _, _, aux = step(m, step.init(m), xs[0], ys[0])
+    assert aux["n"] == 3 and type(aux["n"]) is int
+    want = np.asarray([np.sum(part) for part in np.split(np.asarray(xs[0]), 2)])
+    np.testing.assert_allclose(np.asarray(aux["rows"]), want, rtol=1e-6)
+
+
 def test_microbatches_need_divisible_batches():
     step = es.make_step(plain_loss, optax.sgd(0.1), microbatches=3)
     m = Plain(eqx.nn.Linear(IN, OUT, key=jax.random.key(0)), es.nn.Counter())
