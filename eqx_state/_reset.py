@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.core import Tracer
 
-from ._buffer import Buffer, MetricState, is_state
+from ._buffer import Buffer, MetricState, check_live, is_state
 from ._errors import StateTypeError, StateValueError
 
 
@@ -52,7 +52,8 @@ def reset(model: _T, which: Which = MetricState) -> _T:
 
     Every position is reset on its own: two cells holding one array are two
     values. Selecting a cell that has no initial value (`init=None`) raises a
-    `ValueError` naming the cell's path.
+    `ValueError` naming the cell's path; a model consumed by a donating step
+    raises [`eqx_state.StaleModelError`][] (reset the model the step returned).
 
     **Arguments:**
 
@@ -78,6 +79,10 @@ def reset(model: _T, which: Which = MetricState) -> _T:
     ```
     """
     select = _selector(which)
+    # A consumed model (its buffers donated to a step) would come back looking
+    # reset and fail at its first read of anything else.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        check_live(leaf, f"model's leaf `{jax.tree_util.keystr(path)}`")
     replaced = []
 
     def one(path: Any, x: Any) -> Any:
@@ -95,7 +100,7 @@ def reset(model: _T, which: Which = MetricState) -> _T:
             # processes: a single-device array there could not be saved by Orbax
             # nor taken by a step)
             sharding = None
-            if not isinstance(x.value, Tracer) and not x.value.is_deleted():
+            if not isinstance(x.value, Tracer):  # live: checked above
                 sharding = x.value.sharding
             fill = jnp.full(x.shape, x.init, x.dtype, device=sharding)
             replaced.append(path)

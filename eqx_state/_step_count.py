@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._buffer import check_live
 from ._compat import Tracer
 from ._errors import StateValueError
 
@@ -39,7 +40,9 @@ def step_count(opt_state: Any) -> jax.Array:
     **Raises:**
 
     `ValueError` if the optimizer keeps no step counter (plain `optax.sgd` without
-    momentum keeps no state at all), or if its counters disagree.
+    momentum keeps no state at all), or if its counters disagree;
+    [`eqx_state.StaleModelError`][] if `opt_state` was consumed by a donating step
+    (use the state the step returned).
 
     **Example:**
 
@@ -55,6 +58,9 @@ def step_count(opt_state: Any) -> jax.Array:
     assert int(es.step_count(opt_state)) == 3
     ```
     """
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    for path, leaf in leaves:
+        check_live(leaf, f"optimizer state's leaf `{jax.tree_util.keystr(path)}`")
     multi = [
         x
         for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multi_steps)
@@ -64,7 +70,7 @@ def step_count(opt_state: Any) -> jax.Array:
         return multi[0].gradient_step
     counts = [
         (jax.tree_util.keystr(path), leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        for path, leaf in leaves
         if path
         and isinstance(path[-1], jax.tree_util.GetAttrKey)
         and path[-1].name == "count"

@@ -15,6 +15,7 @@ from ._base import (
     Metric,
     _check_dtype,
     _check_inputs,
+    _check_int,
     _div,
     _fit,
     _truthy,
@@ -107,8 +108,7 @@ class Accuracy(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
-        if top_k < 1:
-            raise StateValueError(f"Accuracy: top_k must be >= 1, got {top_k}.")
+        top_k = _check_int("Accuracy", "top_k", top_k, 1)
         dtype = _check_dtype("Accuracy", dtype, "counts")
         self.correct = statistic("sum", dtype=dtype)
         self.total = statistic("sum", dtype=dtype)

@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, _LayerBase, is_state
@@ -243,6 +244,19 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
     )
 
 
+def _check_int(metric: str, name: str, value: Any, minimum: int) -> int:
+    """`value` as an int if it is an integer (not a bool) of at least `minimum`;
+    else a `StateTypeError` (not an integer) or `StateValueError` (too small)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StateTypeError(
+            f"{metric}: {name} must be an int, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    if value < minimum:
+        raise StateValueError(f"{metric}: {name} must be >= {minimum}, got {value}.")
+    return int(value)
+
+
 def _kind(dtype: Any) -> int:
     """bool 0 < integer 1 < floating 2 < complex (and anything else) 3."""
     d = jnp.dtype(dtype)
@@ -262,19 +276,27 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
         if x is None:
             continue
         src = jnp.asarray(x).dtype
-        if _kind(src) > _kind(dtype):
-            example = (
-                "a weight of 0.5 would count as 0"
-                if name == "sample_weight"
-                else "2.5 would become 2"
-            )
+        if _kind(src) <= _kind(dtype):
+            continue
+        where = f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` has dtype"
+        if _kind(src) == 3:  # complex into real statistics: no real dtype holds it
             raise StateTypeError(
-                f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` has dtype "
-                f"{src.name}, which statistics of dtype {jnp.dtype(dtype).name} "
-                f"would truncate ({example}). Build the metric with a floating dtype "
-                "(dtype=jnp.float32, the default) to accumulate fractional data, or "
-                f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
+                f"{where} {src.name}, which real statistics would truncate (1+2j "
+                "would become 1: the imaginary parts dropped). Update with real "
+                f"values: `{name}.real` and `{name}.imag` (a metric for each), or "
+                f"`jnp.abs({name})`."
             )
+        example = (
+            "a weight of 0.5 would count as 0"
+            if name == "sample_weight"
+            else "2.5 would become 2"
+        )
+        raise StateTypeError(
+            f"{where} {src.name}, which statistics of dtype {jnp.dtype(dtype).name} "
+            f"would truncate ({example}). Build the metric with a floating dtype "
+            "(dtype=jnp.float32, the default) to accumulate fractional data, or "
+            f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
+        )
 
 
 def _check_narrowing(metric: str, statistic: str, v: Array, dtype: Any) -> None:
@@ -310,6 +332,14 @@ def _check_narrowing(metric: str, statistic: str, v: Array, dtype: Any) -> None:
 
 
 _NAN_STRATEGIES = ("propagate", "ignore", "error")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two options are equal (`False` where `==` is not a bool)."""
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 -- e.g. arrays of several elements
+        return False
 
 
 def _check_nan_strategy(metric: str, nan_strategy: str) -> str:
@@ -737,12 +767,40 @@ class Metric(_LayerBase):
             (type(c), c.shape, c.dtype) for c in other._statistic_cells().values()
         ]
         if mine != theirs or shapes != other_shapes:
+            differ = self._differences(other) or [
+                f"{self._config()} vs {other._config()}: {mine} vs {theirs}"
+            ]
             raise StateValueError(
                 f"{type(self).__name__}.{what}: the two metrics are configured "
-                f"differently ({self._config()} vs {other._config()}), so their "
-                "statistics cannot be combined. Merge metrics built with the same "
-                "arguments."
+                f"differently ({'; '.join(differ)}), so their statistics cannot be "
+                "combined. Merge metrics built with the same arguments."
             )
+
+    def _differences(self, other: Any) -> list[str]:
+        """What differs between two metrics of one type: the options they were
+        built with (their static fields), or else their statistics' shapes and
+        dtypes."""
+        out = []
+        for f in dataclasses.fields(self):
+            if f.metadata.get("static", False):
+                a, b = getattr(self, f.name, None), getattr(other, f.name, None)
+                if not _same(a, b):
+                    out.append(f"`{f.name}` is {a!r} here and {b!r} in the other")
+        if out:
+            return out
+        theirs = other._statistic_cells()
+        for name, a in self._statistic_cells().items():
+            b = theirs.get(name)
+            if b is None:
+                out.append(f"the other has no statistic {name!r}")
+            elif (a.shape, a.dtype, a.merge) != (b.shape, b.dtype, b.merge):
+                out.append(
+                    f"the statistic {name!r} has shape {tuple(a.shape)} and dtype "
+                    f"{a.dtype} (merge {a.merge!r}) here, and shape "
+                    f"{tuple(b.shape)} and dtype {b.dtype} (merge {b.merge!r}) in "
+                    "the other"
+                )
+        return out
 
     def _config(self) -> str:
         shapes = ", ".join(

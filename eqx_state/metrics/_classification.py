@@ -19,6 +19,7 @@ from ._base import (
     Scores,
     _check_dtype,
     _check_inputs,
+    _check_int,
     _div,
     _fit,
     _replicated,
@@ -85,6 +86,8 @@ class _ConfusionMetric(Metric):
         dtype,
     ) -> None:
         name = type(self).__name__
+        num_classes = _check_int(name, "num_classes", num_classes, 1)
+        top_k = _check_int(name, "top_k", top_k, 1)
         if num_classes < (1 if multilabel else 2):
             raise StateValueError(
                 f"{name}: num_classes must be >= 2 (>= 1 labels for multilabel=True), "

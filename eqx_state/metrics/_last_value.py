@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from .._errors import StateValueError
+from .._errors import StateTypeError, StateValueError
 from ._base import (
     Metric,
     _check_dtype,
     _check_inputs,
+    _check_int,
     _fit,
     _iota_like,
     _truthy,
@@ -66,7 +67,16 @@ class LastValue(Metric):
         dtype=jnp.float32,
     ):
         dtype = _check_dtype("LastValue", dtype, "values")
-        self.shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)):
+            raise StateTypeError(
+                "LastValue: shape must be a tuple of ints (the shape of one value; "
+                f"`()` for scalars), got {shape!r}. E.g. `LastValue((3,))` for "
+                "values of shape [3]."
+            )
+        self.shape = tuple(
+            _check_int("LastValue", f"every size in shape {tuple(shape)}", s, 0)
+            for s in shape
+        )
         self.value = statistic("custom", shape=self.shape, dtype=dtype, init=0)
         self.count = statistic("sum", dtype=jnp.float32)
         self.axis_name = axis_name

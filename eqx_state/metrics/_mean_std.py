@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
 from .._buffer import MetricState
-from .._errors import StateValueError
 from ._base import (
     FloatScalar,
     Metric,
     _check_dtype,
     _check_inputs,
+    _check_int,
     _check_nan_strategy,
     _div,
     _nan_policy,
@@ -84,8 +84,7 @@ class MeanStd(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
-        if ddof < 0:
-            raise StateValueError(f"MeanStd: ddof must be >= 0, got {ddof}.")
+        ddof = _check_int("MeanStd", "ddof", ddof, 0)
         dtype = _check_dtype("MeanStd", dtype, "floating")
         self.count = statistic("custom", dtype=dtype, init=0)
         self.mean = statistic("custom", dtype=dtype, init=0)

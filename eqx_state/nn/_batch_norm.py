@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable
 from typing import Any
 
@@ -13,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 from .._buffer import BatchStat, _LayerBase
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
+from ._complex import refuse_complex
 from ._flag import inference_flag
 
 
@@ -132,9 +134,37 @@ class BatchNorm(_LayerBase):
         inference: bool = False,
         dtype=None,
     ):
+        if isinstance(num_features, bool) or not isinstance(
+            num_features, (int, np.integer)
+        ):
+            raise StateTypeError(
+                "BatchNorm: num_features (the number of channels) must be an int, "
+                f"got {num_features!r} of type {type(num_features).__name__}. E.g. "
+                "`BatchNorm(x.shape[1])` for inputs laid out [N, C, ...]."
+            )
         if num_features <= 0:
             raise StateValueError(
                 f"BatchNorm: num_features must be positive, got {num_features}."
+            )
+        num_features = int(num_features)
+        if isinstance(channel_axis, bool) or not isinstance(
+            channel_axis, (int, np.integer)
+        ):
+            raise StateTypeError(
+                "BatchNorm: channel_axis must be an int (1 for [N, C, ...], -1 for "
+                f"channels-last), got {channel_axis!r}."
+            )
+        for name, v in (("eps", eps), ("momentum", momentum)):
+            if v is not None and not _is_real_number(v):
+                raise StateTypeError(
+                    f"BatchNorm: {name} must be a Python number, got {v!r} of type "
+                    f"{type(v).__name__}."
+                )
+        if not eps >= 0:
+            raise StateValueError(
+                f"BatchNorm: eps must be non-negative, got {eps!r}: it is added to "
+                "the variance before the square root (PyTorch's default, 1e-5, keeps "
+                "a constant channel finite)."
             )
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise StateValueError(
@@ -152,9 +182,9 @@ class BatchNorm(_LayerBase):
                 f"BatchNorm: dtype must be a real floating dtype, got {dtype}."
             )
         self.num_features = num_features
-        self.eps = eps
-        self.momentum = momentum
-        self.channel_axis = channel_axis
+        self.eps = float(eps)
+        self.momentum = None if momentum is None else float(momentum)
+        self.channel_axis = int(channel_axis)
         self.axis_name = axis_name
         self.zero_debias = zero_debias
         self.unbiased_running_var = unbiased_running_var
@@ -188,37 +218,51 @@ class BatchNorm(_LayerBase):
             raise StateValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."
             )
-        if jnp.issubdtype(x.dtype, jnp.complexfloating):
-            raise StateTypeError(
-                f"BatchNorm does not support complex input (got {x.dtype}), as "
-                "torch.nn.BatchNorm: the variance of complex data has more than one "
-                "definition. Normalise the real and imaginary parts, e.g. "
-                "`bn(jnp.concatenate([x.real, x.imag], axis=channel_axis))` with "
-                "twice the channels."
-            )
+        refuse_complex(
+            "BatchNorm",
+            x.dtype,
+            "as in torch.nn.BatchNorm, the variance of complex data has more than "
+            "one definition",
+            "Normalise the real and imaginary parts, e.g. "
+            "`bn(jnp.concatenate([x.real, x.imag], axis=channel_axis))` with twice "
+            "the channels.",
+        )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise StateTypeError(
                 f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
             )
-        axis = (
-            self.channel_axis % x.ndim
-            if -x.ndim <= self.channel_axis < x.ndim
-            else None
-        )
-        if axis is None or x.shape[axis] != self.num_features:
-            raise StateValueError(
-                f"BatchNorm({self.num_features}) got an input of shape {x.shape} with "
-                f"channel_axis={self.channel_axis}: expected {self.num_features} "
-                "channels on that axis. For inputs laid out [N, C, ...] use "
-                "channel_axis=1 (PyTorch's layout); for channels-last, channel_axis=-1."
-            )
-        if x.ndim == 1 and self.axis_name is None and self._uses_batch_stats():
+        # One example [C] (a per-example call, e.g. under `jax.vmap`): said before
+        # the channel axis is checked, which a 1-d input has only as axis 0.
+        if (
+            x.ndim == 1
+            and x.shape[0] == self.num_features
+            and self.axis_name is None
+            and self._uses_batch_stats()
+        ):
             raise StateValueError(
                 f"BatchNorm got a single example of shape {x.shape} {self._why()}: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
                 "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
                 "with `BatchNorm(..., channel_axis=0, axis_name=name)`."
+            )
+        if not -x.ndim <= self.channel_axis < x.ndim:
+            raise StateValueError(
+                f"BatchNorm({self.num_features}, channel_axis={self.channel_axis}) "
+                f"got an input of shape {x.shape}, which has no axis "
+                f"{self.channel_axis}. Inputs are laid out [N, C, ...] with "
+                "channel_axis=1 (PyTorch's layout), or channels-last with "
+                "channel_axis=-1; one example [C] (per-example code) needs "
+                "channel_axis=0."
+            )
+        axis = self.channel_axis % x.ndim
+        if x.shape[axis] != self.num_features:
+            raise StateValueError(
+                f"BatchNorm({self.num_features}) got an input of shape {x.shape} with "
+                f"channel_axis={self.channel_axis}: expected {self.num_features} "
+                f"channels on that axis, found {x.shape[axis]}. For inputs laid out "
+                "[N, C, ...] use channel_axis=1 (PyTorch's layout); for "
+                "channels-last, channel_axis=-1."
             )
         return axis
 
@@ -398,3 +442,8 @@ def _keep_where(cond: Any, new: Any, old: Array) -> Any:
     if isinstance(cond, bool):
         return new if cond else old
     return jnp.where(cond, new, old)
+
+
+def _is_real_number(x: Any) -> bool:
+    """A real number (Python's or NumPy's), not a bool, a string or an array."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

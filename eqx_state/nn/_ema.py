@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -9,6 +10,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
 from .._errors import StateValueError
+from ._complex import refuse_complex
 from ._flag import inference_flag
 from ._kv_cache import KVCache
 
@@ -210,23 +212,36 @@ class EMA(_LayerBase):
 
     def _leaves(self, model: PyTree, what: str) -> list[Array]:
         leaves, treedef = jax.tree_util.tree_flatten(params(model))
-        if treedef != self.treedef:
-            raise StateValueError(
-                f"EMA.{what} got a model whose parameters do not have the structure "
-                f"of the model the EMA was built from ({len(leaves)} parameter arrays, "
-                f"expected {len(self.hidden)}).{_same_count_hint(model, len(leaves) == len(self.hidden))} "
-                "Pass the same kind of model that was given to `EMA(...)` (e.g. "
-                "`model.net`, not the module that holds the EMA)."
-                f"\n  expected: {self.treedef}\n  got:      {treedef}"
-            )
-        for i, (x, cell) in enumerate(zip(leaves, self.hidden)):
-            if x.shape != cell.shape:
-                raise StateValueError(
-                    f"EMA.{what}: parameter {i} has shape {x.shape}, but the EMA "
-                    f"keeps an average of shape {cell.shape}. Pass a model with the "
-                    "shapes of the one given to `EMA(...)`."
-                )
+        if treedef != self.treedef or any(
+            x.shape != cell.shape for x, cell in zip(leaves, self.hidden)
+        ):
+            raise StateValueError(self._mismatch_message(model, what))
         return leaves
+
+    def _mismatch_message(self, model: PyTree, what: str) -> str:
+        """What differs between `model`'s parameters and the EMA's, by path."""
+        expected = jax.tree_util.tree_unflatten(
+            self.treedef,
+            [
+                jax.ShapeDtypeStruct(c.shape, d)
+                for c, d in zip(self.hidden, self.dtypes)
+            ],
+        )
+        found = _differences(expected, params(model), ())
+        if found:
+            more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+            differs = "; ".join(found[:5]) + more
+        else:  # nothing found by the walk: show both structures
+            differs = (
+                f"\n  expected: {self.treedef}\n  got:      "
+                f"{jax.tree_util.tree_structure(params(model))}\n"
+            )
+        return (
+            f"EMA.{what} got a model whose parameters do not have the structure of "
+            f"the model the EMA was built from: {differs}. Pass the same kind of "
+            "model that was given to `EMA(...)` (e.g. `model.net`, not the module "
+            f"that holds the EMA).{_kv_cache_hint(model, self.treedef)}"
+        )
 
     @property
     def steps(self) -> Int[Array, ""]:  # noqa: F722
@@ -264,13 +279,31 @@ class EMA(_LayerBase):
 
         **Arguments:**
 
-        - `model`: a model with the structure of the one given to `EMA(...)`.
+        - `model`: a model with the structure of the one given to `EMA(...)`
+            (complex parameters where that model had real ones are refused: the
+            average would drop their imaginary parts).
 
         **Returns:**
 
         Nothing; the cells are written.
         """
         leaves = self._leaves(model, "update")
+        complex_ = jnp.complexfloating
+        for i, (x, cell) in enumerate(zip(leaves, self.hidden)):
+            # (the path is looked up only for the leaf refused)
+            if jnp.issubdtype(x.dtype, complex_) and not jnp.issubdtype(
+                cell.dtype, complex_
+            ):
+                path, _ = jax.tree_util.tree_flatten_with_path(params(model))[0][i]
+                refuse_complex(
+                    "EMA.update",
+                    x.dtype,
+                    f"the EMA keeps the average of `model{jax.tree_util.keystr(path)}` "
+                    f"in {jnp.dtype(cell.dtype).name} (the model it was built from "
+                    "has real parameters there)",
+                    "Build the EMA from a model with complex parameters (it then "
+                    "keeps a complex average), or pass the model given to `EMA(...)`.",
+                )
         if inference_flag(self):
             return
         count = self.count[...] + 1
@@ -312,10 +345,73 @@ class EMA(_LayerBase):
         return eqx.combine(new, rest, is_leaf=is_state)
 
 
-def _same_count_hint(model: Any, same_count: bool) -> str:
-    """What differs when the parameter arrays are as many as expected: a field
-    holding no parameter, most often the KV caches of `with_kv_cache`."""
-    if not same_count:
+def _differences(expected: Any, got: Any, path: tuple) -> list[str]:
+    """Where `got` (a model's `es.params`) differs from `expected` (the EMA's
+    template: `jax.ShapeDtypeStruct` leaves), by path: a parameter's shape, a
+    static field (e.g. a `Linear`'s `out_features`), a type, or a missing field."""
+    where = f"`model{jax.tree_util.keystr(path)}`"
+    exp_leaf = isinstance(expected, jax.ShapeDtypeStruct)
+    got_leaf = _is_param(got)
+    if exp_leaf and got_leaf:
+        if tuple(got.shape) == tuple(expected.shape):
+            return []
+        return [
+            f"{where} has shape {tuple(got.shape)}, where the EMA keeps an average "
+            f"of shape {tuple(expected.shape)}"
+        ]
+    if exp_leaf or got_leaf or type(got) is not type(expected):
+        return [f"{where} is {_what(got)}, where the EMA's model had {_what(expected)}"]
+    out = []
+    if dataclasses.is_dataclass(expected):
+        for f in dataclasses.fields(expected):
+            if not f.metadata.get("static", False):
+                continue
+            a, b = getattr(expected, f.name, None), getattr(got, f.name, None)
+            if not _same(a, b):
+                out.append(
+                    f"`model{jax.tree_util.keystr(path)}.{f.name}` is {b!r}, where "
+                    f"the EMA's model had {a!r}"
+                )
+    mine, theirs = _children(expected), _children(got)
+    if [k for k, _ in mine] != [k for k, _ in theirs]:
+        keys = [jax.tree_util.keystr(k) for k, _ in theirs]
+        want = [jax.tree_util.keystr(k) for k, _ in mine]
+        return [
+            *out,
+            f"{where} holds {', '.join(keys) or 'nothing'}, where the EMA's model "
+            f"held {', '.join(want) or 'nothing'}",
+        ]
+    for (key, e), (_, g) in zip(mine, theirs):
+        out += _differences(e, g, (*path, *key))
+    return out
+
+
+def _children(x: Any) -> list[tuple[tuple, Any]]:
+    """`x`'s children with their keys (one level of the pytree)."""
+    if x is None:
+        return []
+    return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 -- an `==` that is not a bool
+        return False
+
+
+def _what(x: Any) -> str:
+    if x is None:
+        return "None (no parameter)"
+    if isinstance(x, jax.ShapeDtypeStruct) or _is_param(x):
+        return f"a parameter of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def _kv_cache_hint(model: Any, treedef: Any) -> str:
+    """The fix when the parameters match in number and the model holds KV caches
+    (added by `with_kv_cache` after the EMA was built)."""
+    if jax.tree_util.tree_structure(params(model)).num_leaves != treedef.num_leaves:
         return ""
     leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, KVCache))
     if any(isinstance(x, KVCache) for x in leaves):
@@ -325,11 +421,7 @@ def _same_count_hint(model: Any, same_count: bool) -> str:
             "model without them and add them after, e.g. `es.nn.with_kv_cache("
             "ema.averaged(es.nn.without_kv_cache(model)), max_len)`."
         )
-    return (
-        " The parameter arrays match in number, so a field that holds no parameter "
-        "differs (a state cell, or a `None` field such as a KV cache added or "
-        "removed with `es.nn.with_kv_cache` / `es.nn.without_kv_cache`)."
-    )
+    return ""
 
 
 def _lerp(h: Array, x: Array, w: Array) -> Array:

@@ -5,11 +5,13 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import core as jax_core
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
 from .._errors import StateTypeError, StateValueError, StateWriteError
+from ._complex import refuse_complex
 
 
 def _overflow_message(max_len: int) -> str:
@@ -126,6 +128,14 @@ class KVCache(_LayerBase):
         dtype=None,
         on_overflow: Literal["raise", "nan"] = "raise",
     ):
+        sizes = {"max_len": max_len, "num_heads": num_heads, "head_dim": head_dim}
+        for name, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise StateTypeError(
+                    f"KVCache: {name} must be an int, got {v!r} of type "
+                    f"{type(v).__name__}."
+                )
+        max_len, num_heads, head_dim = int(max_len), int(num_heads), int(head_dim)
         if max_len <= 0 or num_heads <= 0 or head_dim <= 0:
             raise StateValueError(
                 "KVCache: max_len, num_heads and head_dim must be positive, got "
@@ -151,19 +161,21 @@ class KVCache(_LayerBase):
 
     def append(
         self,
-        keys: Float[Array, "seq heads head_dim"],
-        values: Float[Array, "seq heads head_dim"],
+        keys: Num[Array, "seq heads head_dim"],
+        values: Num[Array, "seq heads head_dim"],
     ) -> tuple[
         Int[Array, ""],
-        Float[Array, "heads max_len head_dim"],
-        Float[Array, "heads max_len head_dim"],
+        Num[Array, "heads max_len head_dim"],
+        Num[Array, "heads max_len head_dim"],
     ]:
         """Write `keys` / `values` for `seq` new positions at the cursor, in place,
         and advance the cursor by `seq`.
 
         **Arguments:**
 
-        - `keys`, `values`: arrays of shape `[seq, num_heads, head_dim]`.
+        - `keys`, `values`: arrays of shape `[seq, num_heads, head_dim]`,
+            cast to the cache's dtype; complex ones are refused (a `TypeError`)
+            unless the cache is complex.
 
         **Returns:**
 
@@ -191,6 +203,17 @@ class KVCache(_LayerBase):
                 "KVCache.append: expected keys and values of shape "
                 f"[seq, {heads}, {head_dim}], got {keys.shape} and {values.shape}."
             )
+        cache_dtype = self.keys.dtype
+        if not jnp.issubdtype(cache_dtype, jnp.complexfloating):
+            for x in (keys, values):
+                refuse_complex(
+                    "KVCache.append",
+                    x.dtype,
+                    f"the cache keeps {jnp.dtype(cache_dtype).name} keys and values",
+                    "Build the cache with a complex dtype (`KVCache(..., "
+                    "dtype=jnp.complex64)`, or `with_kv_cache(model, max_len, "
+                    "dtype=jnp.complex64)`) to keep complex keys, or pass real ones.",
+                )
         n = keys.shape[0]
         start = self.cursor[...]
         if n > self.max_len:

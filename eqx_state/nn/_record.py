@@ -20,6 +20,7 @@ from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
 from ..metrics._extrema import Max, Min
 from ..metrics._mean import Mean
 from ..metrics._mean_std import MeanStd
+from ._complex import refuse_complex
 from ._flag import inference_flag
 
 
@@ -201,6 +202,10 @@ _BUILTINS: dict[str, _Builtin] = {
     ),
 }
 
+# the built-in statistics of real values only: an order, a mean, a variance (the
+# others, of |x| or of flags, take complex values as they are)
+_REAL_ONLY = frozenset({"mean", "std", "rms", "min", "max", "dead_fraction"})
+
 
 class Record(Recorder):
     """Record streaming statistics of an intermediate value, anywhere in a model.
@@ -366,7 +371,9 @@ class Record(Recorder):
 
         **Arguments:**
 
-        - `x`: the value to record (an array of any shape).
+        - `x`: the value to record (an array of any shape). Complex values are
+            refused by the statistics of real values (`mean`, `std`, `rms`, `min`,
+            `max`, `dead_fraction`), before anything is written.
         - `mask`: which values count (a bool array of `x`'s shape or a prefix of
             it, e.g. `[batch]` for padded batches); masked-out values are not
             recorded, even NaN ones.
@@ -383,6 +390,17 @@ class Record(Recorder):
         if not all(_is_ref(c.value) for c in cells):
             raise _not_writable(f"Record{self.names}")
         v = jax.lax.stop_gradient(jnp.asarray(x))
+        real_only = [n for n in self.names if n in _REAL_ONLY and n not in self.custom]
+        if real_only:  # checked before any statistic is written
+            refuse_complex(
+                f"Record({', '.join(map(repr, real_only))})",
+                v.dtype,
+                ("it is a statistic" if len(real_only) == 1 else "they are statistics")
+                + f" of real values (kept in {self.dtype.name})",
+                "Record the real and imaginary parts, or `jnp.abs(x)`, with "
+                "recorders of their own; 'max_abs', 'zero_fraction' and "
+                "'nonfinite_fraction' take complex values as they are.",
+            )
         m = None if mask is None else jax.lax.stop_gradient(jnp.asarray(mask))
         for name in self.names:
             metric = _as_metric(self.metrics[name], self._rules(name))
@@ -471,14 +489,21 @@ class Record(Recorder):
         return actual[: len(actual) - len(declared)]
 
     def _check_mergeable(self, other: Any, what: str) -> None:
-        if not isinstance(other, Record) or (
-            (other.names, other.custom, other.axis_name, other.batch_axis, other.dtype)
-            != (self.names, self.custom, self.axis_name, self.batch_axis, self.dtype)
-        ):
+        if not isinstance(other, Record):
+            raise StateTypeError(
+                f"Record.{what}: can only combine with another Record, got a "
+                f"{type(other).__name__}."
+            )
+        options = ("names", "custom", "axis_name", "batch_axis", "dtype")
+        differ = [
+            f"`{k}` is {getattr(self, k)!r} here and {getattr(other, k)!r} in the other"
+            for k in options
+            if getattr(self, k) != getattr(other, k)
+        ]
+        if differ:
             raise StateValueError(
                 f"Record.{what}: can only combine recorders built with the same "
-                f"statistics and options; got {self._config()} and "
-                f"{other._config() if isinstance(other, Record) else type(other).__name__}."
+                f"statistics and options ({'; '.join(differ)})."
             )
 
     def _metric(self, name: str) -> Metric:
@@ -487,9 +512,6 @@ class Record(Recorder):
 
     def _rules(self, name: str) -> Rules:
         return self.rules[self.names.index(name)]
-
-    def _config(self) -> str:
-        return f"Record{self.names}(axis_name={self.axis_name!r})"
 
     def merge(self, other: Record) -> Record:
         """The recorder holding the statistics of both (pure: a new value-mode

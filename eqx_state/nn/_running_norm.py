@@ -1,20 +1,47 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Real
+import numpy as np
+from jaxtyping import Array, Float, Num
 
 from .._buffer import BatchStat, _LayerBase
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
+from ._complex import refuse_complex
 from ._flag import inference_flag
 
 
 _COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    """The shape of one input, from an int or a sequence of ints, each positive."""
+    dims: Any = (shape,) if _is_int(shape) else shape
+    if not isinstance(dims, Sequence) or not all(_is_int(d) for d in dims):
+        raise StateTypeError(
+            "RunningNorm: shape must be an int (a vector of that size) or a tuple "
+            f"of ints (`()` for scalars), got {shape!r}."
+        )
+    dims = tuple(int(d) for d in dims)
+    if any(d <= 0 for d in dims):
+        raise StateValueError(
+            f"RunningNorm: every size in shape must be positive, got {dims} (an "
+            "input with an empty axis has nothing to normalise). Give the shape of "
+            "one input, e.g. `RunningNorm(obs_dim)`, or `RunningNorm(())` for "
+            "scalar inputs."
+        )
+    return dims
 
 
 class RunningNorm(_LayerBase):
@@ -57,7 +84,7 @@ class RunningNorm(_LayerBase):
     **Arguments:**
 
     - `shape`: the shape of one input (an int for a vector of that size; `()` for
-        scalars).
+        scalars). Every size is positive.
     - `eps`: added to the variance before the square root.
     - `clip`: the bound of the normalised output, or `None` for no clipping.
     - `axis_name`: a named axis (of [`eqx_state.vmap`][]) whose inputs form one
@@ -99,10 +126,16 @@ class RunningNorm(_LayerBase):
         inference: bool = False,
         dtype=None,
     ):
-        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
+        shape = _check_shape(shape)
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+            raise StateTypeError(
+                f"RunningNorm: eps must be a Python number, got {eps!r} of type "
+                f"{type(eps).__name__}."
+            )
+        if not eps >= 0:
             raise StateValueError(
-                f"RunningNorm: shape must be non-negative, got {shape}."
+                f"RunningNorm: eps must be non-negative, got {eps!r}: it is added to "
+                "the variance before the square root."
             )
         if clip is not None and not clip > 0:
             raise StateValueError(
@@ -112,7 +145,7 @@ class RunningNorm(_LayerBase):
         if not jnp.issubdtype(dtype, jnp.floating):
             raise StateValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
         self.shape = shape
-        self.eps = eps
+        self.eps = float(eps)
         self.clip = clip
         self.axis_name = axis_name
         self.inference = inference
@@ -135,14 +168,15 @@ class RunningNorm(_LayerBase):
             )
         return x.ndim - k
 
-    def __call__(self, x: Real[Array, "..."], *, key=None) -> Float[Array, "..."]:
+    def __call__(self, x: Num[Array, "..."], *, key=None) -> Float[Array, "..."]:
         """Update the moments with the batch `x` (training mode only) and return it
         normalised and clipped.
 
         **Arguments:**
 
         - `x`: inputs of shape `[*batch, *shape]` (any number of batch axes,
-            none for a single input).
+            none for a single input), real (integer or floating); complex input
+            is refused with a `TypeError`.
         - `key`: ignored; accepted for compatibility with `eqx.nn.Sequential`.
 
         **Returns:**
@@ -151,6 +185,14 @@ class RunningNorm(_LayerBase):
         as the moments), else the moments' dtype.
         """
         del key
+        refuse_complex(
+            "RunningNorm",
+            x.dtype,
+            "the variance of complex data has more than one definition",
+            "Normalise the real and imaginary parts as features of their own, e.g. "
+            f"`RunningNorm({(*self.shape, 2)})` on `jnp.stack([x.real, x.imag], "
+            "axis=-1)`.",
+        )
         nb = self._batch_ndim(x)
         sdtype = self.mean.dtype
         if jnp.issubdtype(x.dtype, jnp.floating) and (

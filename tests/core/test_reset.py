@@ -226,3 +226,37 @@ def test_one_reset_function():
     with pytest.warns(DeprecationWarning, match=r"use `eqx_state\.reset`"):
         assert es.metrics.reset is es.reset
     assert not hasattr(es.metrics.Metric, "_reset")
+
+
+def test_reset_of_a_consumed_model_raises_stale():
+    """`es.reset` of a model a donating step consumed used to return a model that
+    looked reset and failed at its first read of anything else with JAX's bare
+    "Array has been deleted"; it raises `StaleModelError`, as every function given
+    a consumed model does. The model the step returned resets to the fills."""
+
+    class Net(eqx.Module):
+        w: jax.Array
+        stat: es.BatchStat
+        mean: esm.Mean
+
+        def __call__(self, x):
+            self.stat[...] = self.stat[...] + 1.0
+            self.mean.update(x)
+            return jnp.sum(self.w * x)
+
+    step = es.make_step(lambda m, x: m(x), optax.sgd(0.1))
+    model = Net(jnp.ones(3), es.BatchStat(jnp.zeros(()), init=0.0), esm.Mean())
+    new, _ = step(model, step.init(model), jnp.arange(3.0))
+    for which in (es.BatchStat, es.MetricState, lambda c: False):
+        with pytest.raises(es.StaleModelError, match="donate=False") as info:
+            es.reset(model, which)
+        assert "model's leaf `.w`" in str(info.value)
+    # `make_apply` donates the cells only: the model is consumed all the same
+    apply = es.make_apply(lambda m, x: m(x))
+    _, newer = apply(new, jnp.ones(3))
+    with pytest.raises(es.StaleModelError, match="donate=False"):
+        es.reset(new, es.BatchStat)
+    out = es.reset(newer, (es.BatchStat, es.MetricState))
+    assert float(out.stat[...]) == 0.0 and float(out.mean.weight[...]) == 0.0
+    np.testing.assert_allclose(out.w, newer.w)  # parameters untouched
+    assert float(newer.stat[...]) == 2.0  # value mode: the input is unchanged

@@ -320,3 +320,36 @@ def test_a_wrong_option_type_is_refused_as_a_user_runs_it():
     assert "microbatches must be a whole number" in lines[0]
     assert "`has_aux` must be True or False" in lines[1]
     assert "must be callable" in lines[2]
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.adam(1e-3),
+        lambda: optax.chain(optax.adam(1e-3), optax.scale_by_schedule(lambda n: 1.0)),
+        lambda: optax.MultiSteps(optax.adam(1e-3), 2),
+    ],
+    ids=["adam", "chain", "MultiSteps"],
+)
+def test_step_count_of_a_consumed_state_raises_stale(make_opt):
+    """`es.step_count(old_opt_state)` after a donating step used to return a
+    deleted array (adam: `int(...)` then raised JAX's "Array has been deleted") or
+    raise that bare RuntimeError (a chain comparing its counters); it raises
+    `StaleModelError`, naming the leaf, and the returned state still counts."""
+    xs, ys = data(n=2)
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, make_opt())
+    opt_state = step.init(model)
+    model, new_state = step(model, opt_state, xs[0], ys[0])
+    with pytest.raises(es.StaleModelError, match="donate=False") as info:
+        es.step_count(opt_state)
+    assert "optimizer state's leaf `" in str(info.value)
+    _, newer = step(model, new_state, xs[1], ys[1])
+    want = 1 if isinstance(newer, optax.MultiStepsState) else 2
+    assert int(es.step_count(newer)) == want
+    # with donate=False the old state stays readable
+    keep = es.make_step(loss_fn, make_opt(), donate=False)
+    fresh = Net(jax.random.key(0))
+    s0 = keep.init(fresh)
+    keep(fresh, s0, xs[0], ys[0])
+    assert int(es.step_count(s0)) == 0

@@ -13,6 +13,7 @@ import textwrap
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -369,6 +370,89 @@ def test_merge_checks_kind_and_configuration():
         esm.ConfusionMatrix(3).merge(esm.ConfusionMatrix(4))
     with pytest.raises(ValueError, match="configured differently"):
         esm.Accuracy(top_k=1).merge(esm.Accuracy(top_k=2))
+
+
+@pytest.mark.parametrize(
+    "a,b,differs",
+    [
+        (esm.Accuracy(), esm.Accuracy(top_k=2), "`top_k` is 1 here and 2 in the other"),
+        (
+            esm.Histogram(3, (0, 1)),
+            esm.Histogram(3, (0, 10)),
+            "`range` is (0.0, 1.0) here and (0.0, 10.0) in the other",
+        ),
+        (
+            esm.Precision(3, average="macro"),
+            esm.Precision(3, average="micro"),
+            "`average` is 'macro' here and 'micro' in the other",
+        ),
+        (esm.MeanStd(ddof=0), esm.MeanStd(ddof=1), "`ddof` is 0 here and 1 in the"),
+        (esm.ConfusionMatrix(3), esm.ConfusionMatrix(4), "`num_classes` is 3 here"),
+        (esm.LastValue(()), esm.LastValue((3,)), "`shape` is () here and (3,) in"),
+        (esm.Mean(axis_name="i"), esm.Mean(), "`axis_name` is 'i' here and None"),
+        (
+            esm.Mean(),
+            esm.Mean(dtype=jnp.bfloat16),
+            "the statistic 'total' has shape () and dtype float32 (merge 'sum') "
+            "here, and shape () and dtype bfloat16",
+        ),
+    ],
+    ids=lambda x: type(x).__name__ if isinstance(x, esm.Metric) else "",
+)
+def test_merge_of_differently_configured_metrics_says_what_differs(a, b, differs):
+    """The message used to print the statistics' shapes and `axis_name` only, so
+    two metrics differing in `top_k`, a histogram's range, `average` or `ddof`
+    were described by two identical strings."""
+    with pytest.raises(ValueError, match="configured differently") as info:
+        a.merge(b)
+    assert differs in str(info.value), str(info.value)
+    assert isinstance(info.value, es.EqxStateError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_complex_values_are_refused_and_the_fix_matches_numpy(mode, monkeypatch):
+    """Complex values into real statistics were refused with the integer advice
+    ("2.5 would become 2 ... build the metric with a floating dtype", which it
+    already had); the message says the imaginary parts would be dropped, and the
+    fix it names (a metric each for the real and imaginary parts) gives NumPy's
+    complex mean. (The suite's jaxtyping hook, which refuses complex values by
+    the annotation, is off: users see the library's own error.)"""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    z = np.array([1 + 5j, 3 - 1j, -2 + 0.5j])
+    for metric in (esm.Mean(), esm.Sum(), esm.MeanStd(), esm.Max(), esm.LastValue()):
+        with pytest.raises(TypeError, match=r"1\+2j would become 1") as info:
+            run(metric, mode, [((jnp.asarray(z, jnp.complex64),), {})])
+        assert "`values.real` and `values.imag`" in str(
+            info.value
+        ) or "`value.real` and `value.imag`" in str(info.value)
+        assert "floating dtype" not in str(info.value)
+    re_ = run(esm.Mean(), mode, [((jnp.asarray(z.real, jnp.float32),), {})])
+    im = run(esm.Mean(), mode, [((jnp.asarray(z.imag, jnp.float32),), {})])
+    close(re_.compute() + 1j * im.compute(), np.mean(z))
+
+
+@pytest.mark.parametrize(
+    "build,error,match",
+    [
+        (lambda: esm.LastValue((-1,)), ValueError, r"shape \(-1,\) must be >= 0"),
+        (lambda: esm.LastValue(3), TypeError, r"tuple of ints .* got 3\. E\.g\."),
+        (lambda: esm.LastValue((2.5,)), TypeError, "must be an int, got 2.5"),
+        (lambda: esm.Accuracy(top_k=1.5), TypeError, "top_k must be an int"),
+        (lambda: esm.Accuracy(top_k=0), ValueError, "top_k must be >= 1, got 0"),
+        (lambda: esm.ConfusionMatrix(2.5), TypeError, "num_classes must be an int"),
+        (lambda: esm.F1(3.0, average="macro"), TypeError, "num_classes must be an"),
+        (lambda: esm.MeanStd(ddof=0.5), TypeError, "ddof must be an int, got 0.5"),
+        (lambda: esm.MeanStd(ddof=-1), ValueError, "ddof must be >= 0, got -1"),
+    ],
+)
+def test_constructor_sizes_are_checked(build, error, match, monkeypatch):
+    """`LastValue((-1,))` used to raise JAX's broadcast_in_dim error, and a float
+    size JAX's "Shapes must be 1D sequences ..." (or nothing: `top_k=1.5`). (The
+    suite's jaxtyping hook is off here: users see the library's own error.)"""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(error, match=match) as info:
+        build()
+    assert isinstance(info.value, es.EqxStateError)
 
 
 @pytest.mark.parametrize("mode", MODES)

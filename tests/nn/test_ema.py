@@ -385,10 +385,10 @@ def test_errors(getkey):
     with pytest.raises(ValueError, match="do not have the structure"):
         ema.averaged({"weight": jnp.ones(3)})
     wider = eqx.nn.MLP(3, 2, 5, 1, activation=jnp.tanh, key=getkey())
-    with pytest.raises(ValueError, match=r"(?s)do not have the structure.*got: "):
+    with pytest.raises(ValueError, match=r"`model\.width_size` is 5, where the EMA"):
         ema.averaged(wider)  # static sizes are part of the structure
     ema_dict = es.nn.EMA({"w": jnp.ones(3)})
-    with pytest.raises(ValueError, match=r"parameter 0 has shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"`model\['w'\]` has shape \(4,\), where"):
         ema_dict.averaged({"w": jnp.ones(4)})
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
         es.nn.EMA(net, decay=1.0)
@@ -398,6 +398,81 @@ def test_errors(getkey):
         es.nn.EMA(net, zero_debias=True, dynamic_decay=True)
     with pytest.raises(ValueError, match="no parameters to average"):
         es.nn.EMA({"step": jnp.zeros((), jnp.int32)})
+
+
+def test_another_model_names_what_differs(getkey):
+    """`EMA.update(Linear(3, 4))` for an EMA of a `Linear(3, 3)` used to say "2
+    parameter arrays, expected 2 ... a field that holds no parameter differs"; the
+    message names each difference by its path in the model."""
+    lin = eqx.nn.Linear(3, 3, key=getkey())
+    ema = es.nn.EMA(lin, decay=0.9)
+    cases = {
+        "out_features": (
+            eqx.nn.Linear(3, 4, key=getkey()),
+            [
+                "`model.out_features` is 4, where the EMA's model had 3",
+                "`model.weight` has shape (4, 3), where the EMA keeps an average of "
+                "shape (3, 3)",
+                "`model.bias` has shape (4,)",
+            ],
+        ),
+        "no bias": (
+            eqx.nn.Linear(3, 3, use_bias=False, key=getkey()),
+            [
+                "`model.use_bias` is False, where the EMA's model had True",
+                "`model.bias` is None (no parameter), where the EMA's model had a "
+                "parameter of shape (3,)",
+            ],
+        ),
+        "another type": ({"weight": jnp.ones((3, 3))}, ["`model` is a dict"]),
+    }
+    for name, (other, parts) in cases.items():
+        with pytest.raises(ValueError, match="do not have the structure") as info:
+            es.apply(lambda e, m: e.update(m), ema, other)
+        assert isinstance(info.value, es.EqxStateError)
+        for part in parts:
+            assert part in str(info.value), (name, part, str(info.value))
+        assert "match in number" not in str(info.value)  # the old guess
+    keys = es.nn.EMA({"w": jnp.ones(3)})
+    with pytest.raises(ValueError, match=r"`model` holds \['v'\], where .* \['w'\]"):
+        keys.averaged({"v": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_complex_parameters_are_refused_by_a_real_average(mode, getkey):
+    """The parameters of a complex model used to be cast into the EMA's float32
+    average, dropping their imaginary parts; they are refused (the refusal the
+    normalisation layers share) before anything is written. An EMA built from
+    complex parameters averages them like NumPy."""
+    lin = eqx.nn.Linear(2, 2, key=getkey())
+    as_complex = jax.tree.map(
+        lambda a: a.astype(jnp.complex64) * (1 + 1j) if eqx.is_array(a) else a, lin
+    )
+    ema = es.nn.EMA(lin, decay=0.9)
+    if mode == "ref":
+        ema = es.to_refs(ema)
+    with pytest.raises(TypeError, match="does not support complex input") as info:
+        _run(mode, ema, as_complex)
+    assert isinstance(info.value, es.EqxStateError)
+    assert "`model.weight`" in str(info.value)
+    assert int(ema.count[...]) == 0
+    # an EMA of the complex model: h <- h + (1 - d) (p - h), in complex128 NumPy
+    complex_ema = es.nn.EMA(as_complex, decay=0.9)
+    if mode == "ref":
+        complex_ema = es.to_refs(complex_ema)
+    moved = jax.tree.map(lambda a: a * 1j + 2 if eqx.is_array(a) else a, as_complex)
+    complex_ema = _run(mode, complex_ema, moved)
+    h0 = np.asarray(as_complex.weight, np.complex128)
+    want = h0 + 0.1 * (np.asarray(moved.weight, np.complex128) - h0)
+    np.testing.assert_allclose(complex_ema.average.weight, want, rtol=1e-6)
+
+
+def _run(mode, ema, model):
+    """`ema.update(model)` in either mode; returns the EMA."""
+    if mode == "ref":
+        ema.update(model)
+        return ema
+    return es.apply(lambda e, m: e.update(m), ema, model)[1]
 
 
 # --- narrow parameter dtypes: the average is kept in float32 ------------------------

@@ -6,6 +6,7 @@ updates."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from _scripts import cached_script
@@ -178,6 +179,55 @@ def test_cache_layout_and_append_in_place():
         ValueError, match=r"expected keys and values of shape \[seq, 2, 3\]"
     ):
         cache.append(jnp.ones((1, 3, 3)), jnp.ones((1, 3, 3)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_complex_keys_are_refused_by_a_real_cache(mode, monkeypatch):
+    """Complex keys and values used to be cast into a float32 cache, dropping their
+    imaginary parts; a real cache refuses them before writing anything (the
+    refusal BatchNorm and RunningNorm share), whether appended directly or
+    computed by attention from complex input. A complex cache keeps them exactly,
+    and integer keys widen into a float cache as NumPy casts them."""
+    k = np.array([[[1 + 2j, 3 + 0j]], [[-1 - 1j, 0.5j]]])  # [seq 2, heads 1, dim 2]
+    cache = as_mode(es.nn.KVCache(4, 1, 2), mode)
+    kc, kr = jnp.asarray(k, jnp.complex64), jnp.asarray(k.real, jnp.float32)
+    for keys, values in ((kc, kr), (kr, kc)):
+        with pytest.raises(TypeError, match="does not support complex input") as info:
+            call(cache, mode, lambda c, a, b: c.append(a, b), keys, values)
+        assert isinstance(info.value, es.EqxStateError)
+        assert "complex dtype" in str(info.value)  # the fix
+    assert int(cache.cursor[...]) == 0 and not np.any(np.asarray(cache.keys[...]))
+    attn = es.nn.with_kv_cache(
+        es.nn.CausalSelfAttention(D, H, key=jax.random.key(0)), 4
+    )
+    with monkeypatch.context() as patch:  # the annotation says Float: unchecked
+        patch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+        with pytest.raises(TypeError, match=r"KVCache\.append does not support"):
+            call(as_mode(attn, mode), mode, _feed, jnp.ones((2, D), jnp.complex64))
+    # a complex cache keeps complex keys bit for bit
+    z = as_mode(es.nn.KVCache(4, 1, 2, dtype=jnp.complex64), mode)
+    _, z = call(z, mode, lambda c, a: c.append(a, -a), jnp.asarray(k, jnp.complex64))
+    np.testing.assert_array_equal(z.keys[...][:, :2], np.swapaxes(k, 0, 1))
+    np.testing.assert_array_equal(z.values[...][:, :2], -np.swapaxes(k, 0, 1))
+    # integer keys widen into a float cache (the NumPy cast)
+    ints = np.arange(4, dtype=np.int32).reshape(2, 1, 2)
+    f = as_mode(es.nn.KVCache(4, 1, 2), mode)
+    _, f = call(f, mode, lambda c, a: c.append(a, a), jnp.asarray(ints))
+    np.testing.assert_array_equal(
+        f.keys[...][:, :2], np.swapaxes(ints, 0, 1).astype(np.float32)
+    )
+
+
+def test_sizes_must_be_ints(monkeypatch):
+    """`KVCache(2.5, ...)` used to raise JAX's "Shapes must be 1D sequences of
+    concrete values of integer type". (The suite's jaxtyping hook is off here:
+    users see the library's own error.)"""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(TypeError, match="KVCache: max_len must be an int, got 2.5"):
+        es.nn.KVCache(2.5, 1, 1)
+    with pytest.raises(TypeError, match="head_dim must be an int, got True"):
+        es.nn.KVCache(2, 1, True)
+    assert es.nn.KVCache(np.int64(2), 1, 1).keys.shape == (1, 2, 1)
 
 
 def decode_setup(max_len=12, prompt_len=4, steps=8, vocab=20):

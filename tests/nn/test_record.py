@@ -622,6 +622,35 @@ def test_merge_equals_one_recorder_over_all_the_data():
         a.merge(es.nn.Record("mean"))
 
 
+def test_merge_of_recorders_built_differently_says_what_differs():
+    """Recorders differing in `dtype` or `batch_axis` used to be described by two
+    identical strings (names and `axis_name` only)."""
+    cases = [
+        (
+            es.nn.Record("mean"),
+            es.nn.Record("mean", dtype=jnp.bfloat16),
+            "`dtype` is dtype('float32') here and dtype(bfloat16) in the other",
+        ),
+        (
+            es.nn.Record("dead_fraction", batch_axis=0),
+            es.nn.Record("dead_fraction", batch_axis=1),
+            "`batch_axis` is (0,) here and (1,) in the other",
+        ),
+        (
+            es.nn.Record("mean"),
+            es.nn.Record("mean", axis_name="i"),
+            "`axis_name` is None here and 'i' in the other",
+        ),
+    ]
+    for a, b, part in cases:
+        with pytest.raises(ValueError, match="same statistics and options") as info:
+            a.merge(b)
+        assert part in str(info.value), str(info.value)
+        assert isinstance(info.value, es.EqxStateError)
+    with pytest.raises(TypeError, match="another Record, got a Mean"):
+        es.nn.Record("mean").merge(es.metrics.Mean())  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------- inference mode
 
 
@@ -685,6 +714,29 @@ def test_capture_shape_and_dtype_errors():
     # a narrower float widens exactly
     cap(jnp.full((4, 3), 0.1, jnp.bfloat16))
     np.testing.assert_array_equal(cap.last, np.full((4, 3), 0.1, jnp.bfloat16))
+
+
+def test_complex_values_are_refused_before_anything_is_written():
+    """`Record("rms")` used to cast complex values to float32 (the RMS of the real
+    parts) and `dead_fraction` compared them with 0; the statistics of real values
+    refuse complex input, before any statistic of the call is written. The
+    statistics of |x| and of flags take it, and equal NumPy's."""
+    z = np.array([[1 + 5j, 0j, 2 - 3j], [3 + 1j, np.inf + 0j, -4 + 2j]])
+    for real_only in ("mean", "std", "rms", "min", "max", "dead_fraction"):
+        rec = es.to_refs(es.nn.Record("zero_fraction", real_only))
+        with pytest.raises(TypeError, match="does not support complex") as info:
+            rec(jnp.asarray(z, jnp.complex64))
+        assert isinstance(info.value, es.EqxStateError)
+        assert f"Record('{real_only}')" in str(info.value)
+        # `zero_fraction` (first) was not written either: the check comes first
+        assert float(rec.read()["zero_fraction"]) == 0.0
+        assert float(rec.metrics["zero_fraction"].weight[...]) == 0.0
+    rec = es.to_refs(es.nn.Record("max_abs", "zero_fraction", "nonfinite_fraction"))
+    rec(jnp.asarray(z, jnp.complex64))
+    got = rec.read()
+    np.testing.assert_allclose(got["max_abs"], np.max(np.abs(z)))  # inf
+    np.testing.assert_allclose(got["zero_fraction"], np.mean(z == 0))
+    np.testing.assert_allclose(got["nonfinite_fraction"], np.mean(~np.isfinite(z)))
 
 
 def test_dead_fraction_needs_a_batch_axis():

@@ -6,6 +6,7 @@ import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -361,6 +362,62 @@ def test_errors():
     x = jnp.arange(8.0).reshape(4, 2)
     with pytest.raises(eqx.EquinoxRuntimeError, match="wrote different values"):
         es.apply(lambda m, x: es.vmap(m)(x), value, x)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_complex_input_is_refused_and_the_fix_matches_numpy(mode):
+    """Complex input used to be cast to the float32 moments, dropping the imaginary
+    parts without a word; it is refused (as by BatchNorm, with the same message),
+    nothing is written, and the fix the message names normalises the real and
+    imaginary parts like NumPy."""
+    z = np.array([[1 + 5j, 2 - 3j], [3 + 1j, 4 + 2j], [-2 + 0j, 0.5 - 1j]])
+    norm, fix = es.nn.RunningNorm(2), es.nn.RunningNorm((2, 2))
+    if mode == "ref":
+        norm, fix = es.to_refs(norm), es.to_refs(fix)
+    with pytest.raises(TypeError, match="does not support complex input") as info:
+        _call(mode, norm, jnp.asarray(z, jnp.complex64))
+    assert isinstance(info.value, es.EqxStateError)
+    assert "RunningNorm((2, 2))" in str(info.value)  # the fix, for this shape
+    assert int(norm.count[...]) == 0  # nothing written
+    # the fix: real and imaginary parts as features of their own
+    parts = np.stack([z.real, z.imag], axis=-1)  # [3, 2, 2]
+    y, fixed = _call(mode, fix, jnp.asarray(parts, jnp.float32))
+    mean, var = parts.mean(axis=0), parts.var(axis=0)
+    np.testing.assert_allclose(fixed.mean[...], mean, rtol=1e-6)
+    np.testing.assert_allclose(fixed.var[...], var, rtol=1e-6)
+    np.testing.assert_allclose(y, _normalised(parts, mean, var), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape,error,match",
+    [
+        (0, ValueError, r"must be positive, got \(0,\)"),
+        ((2, 0), ValueError, r"must be positive, got \(2, 0\)"),
+        (-1, ValueError, r"must be positive, got \(-1,\)"),
+        (2.5, TypeError, "shape must be an int .* got 2.5"),
+        ((2.5,), TypeError, r"tuple of ints .* got \(2.5,\)"),
+        ("ab", TypeError, "got 'ab'"),
+        ((True,), TypeError, r"got \(True,\)"),
+    ],
+)
+def test_shape_is_checked_at_construction(shape, error, match, monkeypatch):
+    """`RunningNorm(0)` used to build a normaliser of nothing, and `(2.5,)` one of
+    2 features. (The suite's jaxtyping hook is off: users see the library's error.)"""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
+    with pytest.raises(error, match=match) as info:
+        es.nn.RunningNorm(shape)
+    assert isinstance(info.value, es.EqxStateError)
+
+
+def test_valid_shapes_and_eps(monkeypatch):
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # NumPy ints
+    assert es.nn.RunningNorm().shape == ()
+    assert es.nn.RunningNorm(3).shape == (3,)
+    assert es.nn.RunningNorm([2, 3]).shape == (2, 3)
+    assert es.nn.RunningNorm(np.int64(4)).shape == (4,)
+    with pytest.raises(ValueError, match="eps must be non-negative") as info:
+        es.nn.RunningNorm(3, eps=-1.0)
+    assert isinstance(info.value, es.EqxStateError)
 
 
 # --- the count near 2**31: saturates, never wraps -----------------------------------
