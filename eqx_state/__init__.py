@@ -78,23 +78,9 @@ def __getattr__(name: str) -> object:
     """Names kept for one release after a rename, with a `DeprecationWarning`."""
     table = _deprecated()
     if name in table:
-        import sys
-        import warnings
+        from ._errors import warn_deprecated
 
         new, value = table[name]
-        # `from eqx_state import name` asks `hasattr` first (importlib's
-        # `_handle_fromlist`), then reads the name: warn once, at the read
-        # (a few frames up: a type-checking import hook may wrap this function)
-        frame, callers = sys._getframe(1), []
-        while frame is not None and len(callers) < 4:
-            callers.append(frame.f_code.co_name)
-            frame = frame.f_back
-        if "_handle_fromlist" not in callers:
-            warnings.warn(
-                f"`eqx_state.{name}` is deprecated and will be removed in the next "
-                f"release: use {new}.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        warn_deprecated(f"eqx_state.{name}", new)
         return value
     raise AttributeError(f"module 'eqx_state' has no attribute {name!r}")

@@ -27,6 +27,28 @@ def user_stacklevel() -> int:
     return level
 
 
+def warn_deprecated(old: str, new: str) -> None:
+    """The one warning for a name kept for one release after a rename, from a
+    module's `__getattr__`, at the user's line. `from eqx_state import old` asks
+    `hasattr` first (importlib's `_handle_fromlist`), then reads the name: it warns
+    once, at the read (a few frames up: a type-checking import hook may wrap the
+    `__getattr__`)."""
+    import sys
+    import warnings
+
+    frame, callers = sys._getframe(1), []
+    while frame is not None and len(callers) < 8:
+        callers.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if "_handle_fromlist" not in callers:
+        warnings.warn(
+            f"`{old}` is deprecated and will be removed in the next release: use "
+            f"{new}.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
 def stale_message(what: str) -> str:
     """The one message for a model (or optimizer state) consumed by donation."""
     return (

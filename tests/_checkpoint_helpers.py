@@ -71,3 +71,24 @@ def assert_tree_exact(got, want):
     assert [p for p, _ in paths_got] == [p for p, _ in paths_want]
     for (path, w), (_, g) in zip(paths_want, paths_got):
         assert_exact(g, w, jax.tree_util.keystr(path))
+
+
+def consumed_ref_mode_model():
+    """A ref-mode model whose buffers a failed jitted call consumed: JAX donates
+    ref arguments to a jitted call, even one that then fails."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import pytest
+
+    import eqx_state as es
+
+    model = es.to_refs(es.Buffer(jnp.ones(2)))
+
+    @jax.jit
+    def fails(m):
+        v = m.value[...]
+        return eqx.error_if(v, v[0] > 0, "boom")
+
+    with pytest.raises(Exception, match="boom"):
+        fails(model)
+    return model

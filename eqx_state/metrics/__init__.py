@@ -54,24 +54,11 @@ from ._mean_std import MeanStd as MeanStd
 def __getattr__(name: str) -> object:
     """`reset` is kept for one release with a `DeprecationWarning`."""
     if name == "reset":
-        import sys
-        import warnings
-
+        from .._errors import warn_deprecated
         from .._reset import reset
 
-        # `from eqx_state import name` asks `hasattr` first (importlib's
-        # `_handle_fromlist`), then reads the name: warn once, at the read
-        # (a few frames up: a type-checking import hook may wrap this function)
-        frame, callers = sys._getframe(1), []
-        while frame is not None and len(callers) < 4:
-            callers.append(frame.f_code.co_name)
-            frame = frame.f_back
-        if "_handle_fromlist" not in callers:
-            warnings.warn(
-                "`eqx_state.metrics.reset` is deprecated and will be removed in the next "
-                "release: use `eqx_state.reset` (the same function).",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        warn_deprecated(
+            "eqx_state.metrics.reset", "`eqx_state.reset` (the same function)"
+        )
         return reset
     raise AttributeError(f"module 'eqx_state.metrics' has no attribute {name!r}")
