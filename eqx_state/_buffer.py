@@ -230,6 +230,22 @@ def describe(buf: Buffer) -> str:
     return f"{type(buf).__name__} cell{where} (shape {shape})"
 
 
+def layer_path(layer: Any) -> str:
+    """How errors name a layer that holds cells: inside a step or an apply, ` at
+    `path`` (its path in the model, found from one of its cells'); elsewhere ''."""
+    paths = _PATHS.get()
+    if not paths:
+        return ""
+    for name, value in vars(layer).items():
+        if isinstance(value, Buffer) and id(value.value) in paths:
+            path = paths[id(value.value)]  # "`blocks.0.bn.running_mean` (mode)"
+            path = path.split("`")[1] if path.count("`") >= 2 else path
+            if path == name:
+                return " (the model itself)"
+            return f" at `{path.removesuffix('.' + name)}`"
+    return ""
+
+
 def check_live(x: Any, what: str) -> None:
     """The one check that `x` (an array or a ref) was not consumed by donation:
     `StaleModelError` naming `what` if it was."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat, _LayerBase
+from .._buffer import BatchStat, _LayerBase, layer_path
 from .._errors import StateTypeError, StateValueError
 from ._axis import axis_size
 from ._complex import refuse_complex
@@ -241,15 +241,16 @@ class BatchNorm(_LayerBase):
             and self._uses_batch_stats()
         ):
             raise StateValueError(
-                f"BatchNorm got a single example of shape {x.shape} {self._why()}: "
+                f"BatchNorm{layer_path(self)} got a single example of shape {x.shape} "
+                f"{self._why()}: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
                 "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
                 "with `BatchNorm(..., channel_axis=0, axis_name=name)`."
             )
         if not -x.ndim <= self.channel_axis < x.ndim:
             raise StateValueError(
-                f"BatchNorm({self.num_features}, channel_axis={self.channel_axis}) "
-                f"got an input of shape {x.shape}, which has no axis "
+                f"BatchNorm({self.num_features}, channel_axis={self.channel_axis})"
+                f"{layer_path(self)} got an input of shape {x.shape}, which has no axis "
                 f"{self.channel_axis}. Inputs are laid out [N, C, ...] with "
                 "channel_axis=1 (PyTorch's layout), or channels-last with "
                 "channel_axis=-1; one example [C] (per-example code) needs "
@@ -258,7 +259,8 @@ class BatchNorm(_LayerBase):
         axis = self.channel_axis % x.ndim
         if x.shape[axis] != self.num_features:
             raise StateValueError(
-                f"BatchNorm({self.num_features}) got an input of shape {x.shape} with "
+                f"BatchNorm({self.num_features}){layer_path(self)} got an input of shape "
+                f"{x.shape} with "
                 f"channel_axis={self.channel_axis}: expected {self.num_features} "
                 f"channels on that axis, found {x.shape[axis]}. For inputs laid out "
                 "[N, C, ...] use channel_axis=1 (PyTorch's layout); for "

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -830,3 +831,23 @@ def test_all_masked_channel_gives_nan_like_flax_with_finite_gradients(mode):
     np.testing.assert_array_equal([gw[1], gb[1]], [0.0, 0.0])
     np.testing.assert_allclose(gw[[0, 2]], fg["scale"][[0, 2]], rtol=1e-4)
     np.testing.assert_allclose(gb[[0, 2]], fg["bias"][[0, 2]], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode):
+    """Inside a step or an apply the error says which BatchNorm of the model got
+    the wrong input (there is no path to give for an eager call on a layer)."""
+    model = eqx.nn.Sequential(
+        [
+            es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))),
+            es.nn.BatchNorm(4),
+            es.nn.BatchNorm(5),
+        ]
+    )
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    x = jnp.ones((8, 3))
+    with pytest.raises(es.EqxStateError, match=r"BatchNorm\(5\) at `layers\.2` got"):
+        step(model, step.init(model), x)
+    with pytest.raises(es.EqxStateError, match=r"BatchNorm\(5\) at `layers\.2` got"):
+        es.apply(lambda m, x: m(x), model, x)
