@@ -40,6 +40,7 @@ from ._buffer import _is_ref, is_state, unbatched_message
 from ._compat import (
     Tracer,
     equinox_runtime_error,
+    is_batched,
     is_concrete_ref,
     is_deleted_array_error,
     ref_buffer,
@@ -564,10 +565,15 @@ class Compiled:
                 return plan.fn.lower(*inputs)
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
-            if type(e) is Exception and (refs or sig.refbuf_idx) and under_trace():
+            if (
+                type(e) is Exception
+                and (refs or sig.refbuf_idx)
+                and any(map(is_batched, leaves))
+            ):
                 # JAX's bare refusal of a write into a ref an enclosing `vmap` does
-                # not map (as eager writes say it: `_buffer.unbatched_message`)
-                cells = [i for i in (*sig.ref_idx, *sig.refbuf_idx) if i < sig.n_carry]
+                # not map (as eager writes say it: `_buffer.unbatched_message`);
+                # only under a `vmap` that maps some input of this call
+                cells = sorted((*sig.ref_idx, *sig.refbuf_idx))
                 names = _leaf_names(sig.unflatten(leaves), cells[:3])
                 more = f" and {len(cells) - 3} more" if len(cells) > 3 else ""
                 names = [n.replace(".value`", "`") for n in names]
@@ -792,10 +798,11 @@ def _refuse_shared_refs(sig: _Signature, leaves: list) -> None:
     seen: dict[int, int] = {}
     for i in sorted((*sig.ref_idx, *sig.refbuf_idx)):
         j = seen.setdefault(id(leaves[i]), i)
-        if j != i and j < sig.n_carry:  # two bare arguments: JAX's to judge
+        if j != i:
             names = _leaf_names(sig.unflatten(leaves), [j, i])
             first, here = (n.replace(".value`", "`") for n in names)
-            raise StateError(shared_ref_message(first, here, i < n_model))
+            where = "model" if i < n_model else "carry" if j < sig.n_carry else "args"
+            raise StateError(shared_ref_message(first, here, where))
 
 
 def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:

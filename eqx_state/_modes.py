@@ -122,9 +122,17 @@ def check_no_shared_refs(tree: Any) -> None:
                 raise StateError(shared_ref_message(f"`{first}`", f"`{here}`"))
 
 
-def shared_ref_message(first: str, here: str, in_model: bool = True) -> str:
-    """The one message for one ref at two places (`first`, `here`: their paths)."""
-    if not in_model:
+def shared_ref_message(first: str, here: str, where: str = "model") -> str:
+    """The one message for one ref at two places (`first`, `here`: their paths):
+    both in the model (`where="model"`), in the model (or optimizer state) and an
+    argument (`"carry"`), or in two arguments (`"args"`)."""
+    if where == "args":
+        return (
+            f"The same ref is passed at two places: {first} and {here}. A compiled "
+            "call takes each ref once (JAX refuses a mutable array passed twice): "
+            "pass it once and use it at both places inside the function."
+        )
+    if where == "carry":
         return (
             f"The same ref is passed at two places: {first} and {here}. A ref-mode "
             "model's cells are read and written through the model; a call cannot "

@@ -286,9 +286,9 @@ def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> An
     """`K` calls of `one` (a compiled call) as one call of `scan` (the same calls in
     a `lax.scan`): `(carry, outs)` with `outs` stacked. Where the scan cannot carry
     the input types (`NeedsFirstCall`), the first call runs on its own and the other
-    `K - 1` in the scan; if their types still change, one by one: always the same
-    `K` calls. Nothing after a call that ran can fail, so no call's result is
-    lost."""
+    `K - 1` in the scan; if their types still change (or the scan refuses what the
+    first call returned), one by one: always the same `K` calls, and no call's
+    result is lost to a refusal after it ran."""
     try:
         return scan.call(carry, args, kwargs)
     except NeedsFirstCall:
@@ -304,7 +304,9 @@ def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> An
     if k > 1:
         try:
             carry, rest = scan.call(carry, *sliced(slice(1, None)))
-        except NeedsFirstCall:  # raised while tracing: nothing ran
+        except StepError:  # raised while tracing (`NeedsFirstCall` or a check of
+            # the carry the first call returned): nothing of it ran, and the first
+            # call's result must not be lost; K separate calls take these types
             for i in range(1, k):
                 carry, out = one.call(carry, *sliced(i))
                 outs.append(out)
@@ -360,6 +362,7 @@ def scan_calls(
                 "A call inside `scan` changed the structure of the model or the "
                 "optimizer state; `scan` carries them from one call to the next."
             )
+        weak_changed = []
         for path, (n, o) in _paired(new_arrays, arrays):
             tn, to = jax.typeof(n), jax.typeof(o)
             if tn.dtype != to.dtype:
@@ -370,14 +373,17 @@ def scan_calls(
                     "keep its dtype."
                 )
             if tn.weak_type != to.weak_type:
-                # K separate calls compute the next call with the new type (a weak
-                # type takes the other operand's dtype); a scan's carry keeps one
-                # type: the first call runs on its own (see `NeedsFirstCall`)
-                raise NeedsFirstCall(
-                    f"{path} comes back {'weakly' if tn.weak_type else 'strongly'} "
-                    f"typed from a call that got it "
-                    f"{'weakly' if to.weak_type else 'strongly'} typed"
-                )
+                weak_changed.append((path, tn.weak_type, to.weak_type))
+        if weak_changed:
+            # K separate calls compute the next call with the new type (a weak type
+            # takes the other operand's dtype); a scan's carry keeps one type: the
+            # first call runs on its own (see `NeedsFirstCall`). Raised after every
+            # leaf's dtype is checked, so a refusal comes before anything runs.
+            path, new_weak, old_weak = weak_changed[0]
+            raise NeedsFirstCall(
+                f"{path} comes back {'weakly' if new_weak else 'strongly'} typed "
+                f"from a call that got it {'weakly' if old_weak else 'strongly'} typed"
+            )
         del new_static  # Python values: the carry's own (checked by the structure)
         out_arrays, static_out = eqx.partition(out, eqx.is_array)
         out_static.append(static_out)

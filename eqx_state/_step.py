@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 from ._buffer import is_state
@@ -76,9 +77,7 @@ class Step:
                 "`init` and `update`, e.g. `optax.adam(1e-3)`), got "
                 f"{type(optimizer).__name__}."
             )
-        if microbatches is not None and (
-            isinstance(microbatches, bool) or not isinstance(microbatches, int)
-        ):
+        if microbatches is not None and not _is_whole(microbatches):
             raise StateTypeError(
                 "make_step: microbatches must be a whole number >= 1 (or None), got "
                 f"{microbatches!r}."
@@ -352,6 +351,11 @@ _RESERVED_JIT = {
 }
 
 
+def _is_whole(x: Any) -> bool:
+    """A whole number (a Python or NumPy integer), not a bool."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
 def check_options(
     where: str, fn: Any, jit_kwargs: Any, scan_unroll: Any, **flags: Any
 ) -> None:
@@ -363,12 +367,12 @@ def check_options(
             f"{where}: the function must be callable, got {type(fn).__name__}."
         )
     for name, value in flags.items():
-        if not isinstance(value, bool):
+        if not isinstance(value, bool | np.bool_):
             raise StateTypeError(
                 f"{where}: `{name}` must be True or False, got {value!r}."
             )
-    if not isinstance(scan_unroll, bool) and not (
-        isinstance(scan_unroll, int) and scan_unroll >= 1
+    if not isinstance(scan_unroll, bool | np.bool_) and not (
+        _is_whole(scan_unroll) and scan_unroll >= 1
     ):
         raise StateValueError(
             f"{where}: `scan_unroll` must be a whole number >= 1 or a bool (as "

@@ -552,3 +552,12 @@ def _counts_each_run(call):
     loop_counter = es.to_refs(es.nn.Counter())
     total = jax.lax.fori_loop(0, 3, lambda i, t: t + call(loop_counter), jnp.int32(0))
     assert int(total) == 1 + 2 + 3 and int(loop_counter.value[...]) == 3
+
+
+def test_one_ref_passed_as_two_arguments_is_named():
+    metric = es.to_refs(es.metrics.Mean())
+    both = es.make_apply(lambda m, a, b, x: (a.update(x), b.update(x)))
+    with pytest.raises(
+        es.StateError, match=r"passed at two places: `args\[0\]\.total` and `args\[1\]"
+    ):
+        both(eqx.nn.Identity(), metric, metric, jnp.ones(3))

@@ -242,3 +242,37 @@ def test_scan_of_a_carry_whose_weak_type_changes_equals_k_steps(weak):
         np.testing.assert_array_equal(np.asarray(got.a), np.asarray(ref.a))
         np.testing.assert_array_equal(np.asarray(losses), np.stack(ref_losses))
         assert not got.a.weak_type and not got_s.hyperparams["learning_rate"].weak_type
+
+
+def test_a_scan_refusal_comes_before_any_step_runs():
+    """A carry with a weakly typed leaf (which makes `scan` run its first step
+    alone) and a leaf whose dtype flips every step (which one scan cannot carry):
+    the refusal comes while tracing, before the first step ran, so the ref-mode
+    model is untouched and still usable (it ran step 1, then lost its result)."""
+    base = optax.sgd(0.1)
+
+    def init(p):
+        return (jnp.asarray(1.0), jnp.zeros((), jnp.float32), base.init(p))
+
+    def update(g, s, p=None):
+        u, b = base.update(g, s[2], p)
+        flipped = jnp.float16 if s[1].dtype == jnp.float32 else jnp.float32
+        return u, (s[0] + jnp.ones((), jnp.float32), s[1].astype(flipped), b)
+
+    model = es.to_refs(
+        eqx.nn.Sequential(
+            [
+                es.nn.Batched(eqx.nn.Linear(2, 3, key=jax.random.key(0))),
+                es.nn.BatchNorm(3),
+            ]
+        )
+    )
+    step = es.make_step(
+        lambda m, x: jnp.mean(m(x) ** 2), optax.GradientTransformation(init, update)
+    )
+    opt_state = step.init(model)
+    with pytest.raises(es.StepError, match=r"changed the dtype of \[1\]\[1\]"):
+        step.scan(model, opt_state, jnp.ones((3, 8, 2)))
+    assert int(model[1].num_batches_tracked[...]) == 0
+    step(model, opt_state, jnp.ones((8, 2)))  # nothing was consumed
+    assert int(model[1].num_batches_tracked[...]) == 1

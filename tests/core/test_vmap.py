@@ -172,3 +172,21 @@ def test_es_vmap_of_es_vmap_of_a_model_names_the_fix():
     y, bn = es.apply(_nested, bn, x)  # the form it names: the batched call's result
     _, whole = es.apply(lambda m, x: m(x), es.nn.BatchNorm(4), x.reshape(8, 4))
     np.testing.assert_allclose(bn.running_var[...], whole.running_var[...], rtol=1e-5)
+
+
+def test_only_a_vmap_refusal_is_relabelled_and_argument_cells_are_named():
+    """A bare `Exception` of the user's own under an outer `jax.jit` stays as it
+    is (it was relabelled as a vmap write error); a ref-mode metric passed as an
+    argument under `jax.vmap` is named as the argument."""
+
+    def fails(m, x):
+        raise Exception("my own failure")  # noqa: TRY002
+
+    model = es.to_refs(es.metrics.Mean())
+    with pytest.raises(Exception, match="my own failure") as info:
+        jax.jit(lambda x: es.make_apply(fails)(model, x)[0])(jnp.ones(3))
+    assert not isinstance(info.value, es.EqxStateError)
+    metric = es.to_refs(es.metrics.Mean())
+    update = es.make_apply(lambda m, metric, x: metric.update(x))
+    with pytest.raises(es.StateWriteError, match=r"one of `args\[0\]\.total`"):
+        jax.vmap(lambda x: update(eqx.nn.Identity(), metric, x))(jnp.ones((4, 3)))
