@@ -17,9 +17,9 @@ def user_stacklevel() -> int:
 
     skipped = [os.path.dirname(os.path.abspath(__file__)), "<"]
     for name in ("jax", "jaxlib", "jaxtyping", "beartype"):
-        module = sys.modules.get(name)
-        if getattr(module, "__file__", None):
-            skipped.append(os.path.dirname(os.path.abspath(module.__file__)))
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(file, str):
+            skipped.append(os.path.dirname(os.path.abspath(file)))
     prefixes = tuple(skipped)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(prefixes):
