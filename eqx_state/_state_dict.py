@@ -30,6 +30,7 @@ from ._torch_names import (
     _stop,
     _view,
 )
+from .nn._ema import EMA
 
 
 def _is_key_dtype(dtype: Any) -> bool:
@@ -455,6 +456,9 @@ def _seeded(name: str, old: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.random.bits(key, old.shape, old.dtype)
 
 
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def _mismatch_message(model: Any, missing: list[str], unexpected: list[str]) -> str:
     lines = [f"Error(s) in loading a state dict into {type(model).__name__}:"]
     if missing:
@@ -464,13 +468,25 @@ def _mismatch_message(model: Any, missing: list[str], unexpected: list[str]) -> 
             "  Unexpected key(s) in state_dict: " + ", ".join(unexpected) + "."
         )
     hints = []
-    if unexpected and all(k.startswith("module.") for k in unexpected):
+    has_ema = any(
+        isinstance(x, EMA)
+        for x in jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, EMA))
+    )
+    if has_ema and any(k.rsplit(".", 1)[-1] in _BN_STATS for k in unexpected):
+        hints.append(
+            "an `EMA` averages the parameters only; PyTorch's `AveragedModel` also "
+            "saves the averaged module's buffers (copies of the source model's, "
+            "e.g. BatchNorm statistics): load with `strict=False` (they are in the "
+            "live model already), and load an exported EMA into `AveragedModel` "
+            "with `strict=False` too"
+        )
+    elif unexpected and all(k.startswith("module.") for k in unexpected):
         hints.append(
             "every unexpected key starts with `module.` (saved from "
             "`DataParallel`/`DistributedDataParallel`): strip it, e.g. "
             "`{k.removeprefix('module.'): v for k, v in sd.items()}`"
         )
-    bn_stats = ("running_mean", "running_var", "num_batches_tracked")
+    bn_stats = _BN_STATS
     has_eqx_bn = any(
         isinstance(x, eqx.nn.BatchNorm)
         for x in jax.tree_util.tree_leaves(

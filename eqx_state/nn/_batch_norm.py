@@ -354,6 +354,15 @@ class BatchNorm(_LayerBase):
         xc = x.astype(cdtype)
         n = None
         if self._uses_batch_stats():
+            if self.eps <= 0:  # as PyTorch: a constant channel would give NaN
+                raise StateValueError(
+                    f"BatchNorm({self.num_features}){layer_path(self)} normalises "
+                    f"with batch statistics {self._why()} and has eps={self.eps}: a "
+                    "channel whose values are all equal has variance 0 and would "
+                    "normalise to NaN. Use eps > 0 (PyTorch refuses eps <= 0 in "
+                    "training too); eps=0 is fine in inference with running "
+                    "statistics."
+                )
             m = None if mask is None else self._mask(mask, x)
             mean, var, n = self._batch_stats(xc, red, shape, m)
             if isinstance(n, int) and n == 1:

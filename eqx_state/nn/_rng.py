@@ -318,4 +318,11 @@ class Dropout(_LayerBase):
             key = self.rng.next_key(axis_name=self.axis_name)
         q = 1.0 - self.p
         mask = jax.random.bernoulli(key, q, x.shape)
-        return jnp.where(mask, x / jnp.asarray(q, x.dtype), jnp.zeros((), x.dtype))
+        if jnp.dtype(x.dtype).itemsize < 4:
+            # float16 / bfloat16: PyTorch's kept value, bit for bit: `x` times the
+            # scale `1 / (1 - p)` rounded to the input's dtype (`x / q` with `q`
+            # rounded first was 1 ulp off, e.g. 1.4277 for 1 / 0.7 in float16)
+            kept = x * jnp.asarray(1.0 / q, x.dtype)
+        else:
+            kept = x / jnp.asarray(q, x.dtype)
+        return jnp.where(mask, kept, jnp.zeros((), x.dtype))

@@ -851,3 +851,16 @@ def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode):
         step(model, step.init(model), x)
     with pytest.raises(es.EqxStateError, match=r"BatchNorm\(5\) at `layers\.2` got"):
         es.apply(lambda m, x: m(x), model, x)
+
+
+def test_eps_zero_is_refused_with_batch_statistics_as_in_torch():
+    """PyTorch 2.13 refuses `eps=0` in training (a constant channel would give NaN)
+    and allows it in eval with running statistics; so does BatchNorm."""
+    x = jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="eps must be positive"):
+        torch.nn.BatchNorm1d(3, eps=0.0).train()(torch.ones(4, 3))
+    with pytest.raises(es.EqxStateError, match=r"eps=0\.0.*NaN"):
+        es.apply(lambda m, x: m(x), es.nn.BatchNorm(3, eps=0.0), x)
+    want = torch.nn.BatchNorm1d(3, eps=0.0).eval()(torch.ones(4, 3))
+    got = eqx.nn.inference_mode(es.nn.BatchNorm(3, eps=0.0))(x)
+    np.testing.assert_array_equal(np.asarray(got), want.detach().numpy())

@@ -648,3 +648,25 @@ def test_a_copied_ema_keeps_its_structure_and_averages_like_numpy(how):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(net)):
         want = 0.25 * np.asarray(w, np.float64) + 0.75 * (np.asarray(w, np.float64) + 1)
         np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-6)
+
+
+def test_an_averaged_model_with_buffers_is_loaded_with_the_fix_named():
+    """`AveragedModel` saves the averaged module's buffers (BatchNorm statistics,
+    copies of the source model's); an `EMA` averages parameters only. A strict load
+    names the fix (`strict=False`), not the `DataParallel` prefix hint; with it the
+    average is loaded, bit for bit."""
+    tnet = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    tavg = AveragedModel(tnet, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    tavg.update_parameters(tnet)
+    net = eqx.nn.Sequential(
+        [es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))), es.nn.BatchNorm(4)]
+    )
+    ema = es.nn.EMA(net, 0.9, warmup_length=1)
+    state = tavg.state_dict()
+    with pytest.raises(es.EqxStateError, match=r"AveragedModel.*strict=False") as info:
+        es.load_state_dict(ema, state)
+    assert "DataParallel" not in str(info.value)
+    loaded, _ = es.load_state_dict(ema, state, strict=False)
+    got = es.state_dict(loaded)
+    for name in ("module.0.weight", "module.0.bias", "module.1.weight"):
+        np.testing.assert_array_equal(np.asarray(got[name]), state[name].numpy())
