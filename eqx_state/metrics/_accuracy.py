@@ -45,7 +45,10 @@ class Accuracy(Metric):
     logits.argmax(-1))` even with ties or NaN (all-NaN logits predict class 0: a
     diverged model does not score 1.0). The same rule decides
     [`eqx_state.metrics.ConfusionMatrix`][], `Precision`, `Recall` and `F1`, so
-    `Accuracy(top_k=k)` always equals `Recall(top_k=k, average="micro")`. With
+    `Accuracy(top_k=k)` equals `Recall(top_k=k, average="micro")` whenever every
+    label is a class index (or the others are masked out, or `ignore_index`ed:
+    unmasked, `Accuracy` counts them wrong and the confusion-matrix metrics drop
+    them, as below). With
     ties, sklearn's `top_k_accuracy_score` ranks the higher class index first, so
     the two can differ for `top_k > 1`; they agree whenever scores are distinct.
 

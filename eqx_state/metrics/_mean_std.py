@@ -140,6 +140,14 @@ class MeanStd(Metric):
         delta = b["mean"] - a["mean"]
         mean = a["mean"] + delta * _div(nb, n)
         m2 = a["m2"] + b["m2"] + delta * delta * _div(na * nb, n)
+        # An infinite mean on either side makes `delta` infinite (or NaN), where the
+        # formula gives `inf * 0` or `inf - inf`: NaN where one pass over all the
+        # data gives inf. The weighted mean is right there; a side without data
+        # leaves the other as it is.
+        weighted = _div(na * a["mean"] + nb * b["mean"], n)
+        mean = jnp.where(jnp.isfinite(delta), mean, weighted)
+        mean = jnp.where(nb == 0, a["mean"], jnp.where(na == 0, b["mean"], mean))
+        m2 = jnp.where(nb == 0, a["m2"], jnp.where(na == 0, b["m2"], m2))
         return {"count": n, "mean": mean, "m2": m2}
 
     def compute(self) -> tuple[FloatScalar, FloatScalar]:

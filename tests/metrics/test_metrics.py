@@ -1081,3 +1081,33 @@ def test_train_eval_metrics_example(capsys):
     np.testing.assert_array_equal(
         history["confusion"], skm.confusion_matrix(labels, preds, labels=range(10))
     )
+
+
+def test_mean_std_with_an_infinite_value_equals_numpy_in_every_grouping():
+    """One update, several updates, an empty or fully masked update after it and a
+    merge all give NumPy's mean of inf (several updates gave NaN: `inf * 0` and
+    `inf - inf` in the parallel formula); opposite infinities give NaN as NumPy."""
+    want = np.mean(np.array([1.0, np.inf, 2.0]))
+    groupings = (
+        [[1.0, np.inf, 2.0]],
+        [[1.0, np.inf], [2.0]],
+        [[1.0], [np.inf, 2.0]],
+        [[1.0, np.inf, 2.0], []],
+    )
+    for batches in groupings:
+        metric = es.to_refs(esm.MeanStd())
+        for b in batches:
+            metric.update(jnp.asarray(b, jnp.float32))
+        assert float(metric.compute()[0]) == want, batches
+    masked = es.to_refs(esm.MeanStd())
+    masked.update(jnp.asarray([1.0, np.inf, 2.0]))
+    masked.update(jnp.asarray([5.0]), sample_weight=jnp.zeros(1))
+    assert float(masked.compute()[0]) == want
+    a, b = es.to_refs(esm.MeanStd()), es.to_refs(esm.MeanStd())
+    a.update(jnp.asarray([1.0, np.inf]))
+    b.update(jnp.asarray([2.0]))
+    assert float(a.merge(b).compute()[0]) == want
+    c, d = es.to_refs(esm.MeanStd()), es.to_refs(esm.MeanStd())
+    c.update(jnp.asarray([np.inf]))
+    d.update(jnp.asarray([-np.inf]))
+    assert np.isnan(float(c.merge(d).compute()[0]))
