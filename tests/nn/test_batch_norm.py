@@ -185,10 +185,10 @@ def test_constructor_arguments_are_checked(kwargs, error, match, monkeypatch):
 
 def test_numpy_integer_sizes_are_accepted(monkeypatch):
     monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # as above
-    bn = es.nn.BatchNorm(np.int64(3), channel_axis=np.int32(-1), eps=np.float32(0))
+    bn = es.nn.BatchNorm(np.int64(3), channel_axis=np.int32(-1), eps=np.float32(1e-5))
     assert type(bn.num_features) is int and type(bn.channel_axis) is int
     y, _ = es.apply(lambda m, x: m(x), bn, jnp.array([[0.0, 1, 2], [2, 3, 6]]))
-    np.testing.assert_allclose(y, [[-1, -1, -1], [1, 1, 1]], rtol=1e-6)
+    np.testing.assert_allclose(y, [[-1, -1, -1], [1, 1, 1]], rtol=1e-4)
 
 
 def test_bfloat16_input_keeps_dtype_and_float32_stats():
