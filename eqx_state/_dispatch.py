@@ -574,10 +574,7 @@ class Compiled:
                 # not map (as eager writes say it: `_buffer.unbatched_message`);
                 # only under a `vmap` that maps some input of this call
                 cells = sorted((*sig.ref_idx, *sig.refbuf_idx))
-                names = _leaf_names(sig.unflatten(leaves), cells[:3])
-                more = f" and {len(cells) - 3} more" if len(cells) > 3 else ""
-                names = [n.replace(".value`", "`") for n in names]
-                what = f"ref-mode state cell (one of {', '.join(names)}{more})"
+                what = f"ref-mode state cell (one of {_named(sig, leaves, cells)})"
                 raise StateWriteError(unbatched_message(what, e)) from e
             _reraise(e, dyn, sig, leaves)
             if self.mesh is not None:
@@ -774,6 +771,16 @@ def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
     return names
 
 
+def _named(sig: _Signature, leaves: list, positions: list[int], shown: int = 3) -> str:
+    """The one way error messages list leaves of a call: by path (`model...`,
+    `opt_state...`, `args[i]...`; a cell by its own path, without `.value`), the
+    first `shown` of them and how many more."""
+    names = _leaf_names(sig.unflatten(leaves), positions[:shown])
+    names = [n.replace(".value`", "`") for n in names]
+    more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
+    return f"{', '.join(names)}{more}"
+
+
 def _local_batch_message(x: Any, sharding: Any) -> str:
     what = (
         "a process-local jax.Array"
@@ -799,8 +806,7 @@ def _refuse_shared_refs(sig: _Signature, leaves: list) -> None:
     for i in sorted((*sig.ref_idx, *sig.refbuf_idx)):
         j = seen.setdefault(id(leaves[i]), i)
         if j != i:
-            names = _leaf_names(sig.unflatten(leaves), [j, i])
-            first, here = (n.replace(".value`", "`") for n in names)
+            first, here = _named(sig, leaves, [j]), _named(sig, leaves, [i])
             where = "model" if i < n_model else "carry" if j < sig.n_carry else "args"
             raise StateError(shared_ref_message(first, here, where))
 
@@ -821,9 +827,7 @@ def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
             eqx_error.add_note(_CONSUMED_NOTE)
         raise eqx_error from None
     if deleted and is_deleted_array_error(e):  # consumed before this call
-        names = _leaf_names(sig.unflatten(leaves), deleted[:3])
-        more = f" and {len(deleted) - 3} more" if len(deleted) > 3 else ""
-        where = f"{', '.join(names)}{more}"
+        where = _named(sig, leaves, deleted)
         if all(i >= sig.n_carry for i in deleted):
             raise StaleModelError(
                 f"The argument {where} holds an array that was consumed (its buffer "
