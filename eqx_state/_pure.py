@@ -51,7 +51,7 @@ def train_step(
         else:
             (value, aux), grads = _accumulate(grad_fn, diff, args, kwargs, microbatches)
     refuse_cells_out(aux, thawed, "make_step(..., has_aux=True): `aux`")
-    if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    if takes_extra_args(optimizer):
         # optax's extra arguments: an optimizer that needs the loss (e.g.
         # `optax.contrib.reduce_on_plateau`) takes it as `value`
         updates, opt_state = optimizer.update(grads, opt_state, diff, value=value)
@@ -60,6 +60,16 @@ def train_step(
     diff = optax.apply_updates(diff, updates)
     model = refreeze(eqx.combine(diff, rest, is_leaf=is_state), made)
     return (model, opt_state), (value, aux)
+
+
+def takes_extra_args(optimizer: Any) -> bool:
+    """Whether `optimizer.update` takes optax's extra arguments (`value=`): a
+    `GradientTransformationExtraArgs`, or an `optax.MultiSteps` (its `update`
+    forwards them to the optimizer it wraps, also as the plain
+    `GradientTransformation` that `MultiSteps.gradient_transformation()` makes)."""
+    if isinstance(optimizer, (optax.GradientTransformationExtraArgs, optax.MultiSteps)):
+        return True
+    return isinstance(getattr(optimizer.update, "__self__", None), optax.MultiSteps)
 
 
 def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:

@@ -24,7 +24,9 @@ def step_count(opt_state: Any) -> jax.Array:
 
     * Optimizers with a step counter (Adam, AdamW, any schedule,
       `optax.inject_hyperparams`, ...; inside `optax.chain` or not) keep it in
-      fields named `count`; they all agree, and their value is returned.
+      fields named `count`; they all agree, and their value is returned. Two
+      `count`s that do not count steps are left out: `optax.contrib.reduce_on_plateau`'s
+      (losses towards its average) and `optax.apply_every`'s (steps modulo `k`).
     * With `optax.MultiSteps`, the number of updates applied, `gradient_step` (not
       the number of calls, `mini_step`).
 
@@ -68,12 +70,26 @@ def step_count(opt_state: Any) -> jax.Array:
     ]
     if multi:
         return multi[0].gradient_step
+    # a `count` that is not a step counter: reduce_on_plateau's count of losses
+    # towards its average (back to 0 every `accumulation_size` steps) and
+    # `apply_every`'s step modulo `k`
+    from optax import contrib
+
+    others = (contrib.ReduceLROnPlateauState, optax.ApplyEvery)
+    skip = {
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            opt_state, is_leaf=lambda x: isinstance(x, others)
+        )[0]
+        if isinstance(x, others)
+    }
     counts = [
         (jax.tree_util.keystr(path), leaf)
         for path, leaf in leaves
         if path
         and isinstance(path[-1], jax.tree_util.GetAttrKey)
         and path[-1].name == "count"
+        and jax.tree_util.keystr(path[:-1]) not in skip
         and jnp.issubdtype(jnp.result_type(leaf), jnp.integer)
     ]
     if not counts:

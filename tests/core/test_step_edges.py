@@ -75,6 +75,34 @@ def test_reduce_on_plateau_gets_the_loss_like_optaxs_own_loop():
     assert float(state[1].scale) == float(ref_state[1].scale) < 1.0  # it reduced
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["MultiSteps", "its_plain_form"])
+def test_multi_steps_forwards_the_loss_like_optaxs_own_loop(plain):
+    """`optax.MultiSteps` forwards `value=` to the optimizer it wraps (its `update`
+    takes extra arguments, though it is no `GradientTransformationExtraArgs`):
+    a plateau rule inside it gets the loss, as in optax's loop by hand."""
+    inner = optax.chain(
+        optax.sgd(1.5), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+    )
+    multi = optax.MultiSteps(inner, every_k_schedule=2)
+    opt = multi.gradient_transformation() if plain else multi
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    y = jnp.sin(x[:, 0])
+    step = es.make_step(_mse, opt, return_loss=True, donate=False)
+    state = step.init(model)
+    params, ref_state = model, multi.init(eqx.filter(model, eqx.is_inexact_array))
+    for _ in range(12):
+        model, state, loss = step(model, state, x, y)
+        ref_loss, grads = jax.value_and_grad(_mse)(params, x, y)
+        updates, ref_state = multi.update(grads, ref_state, params, value=ref_loss)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(model.weight, params.weight, rtol=1e-5)
+    scale = ref_state.inner_opt_state[1].scale
+    assert float(state.inner_opt_state[1].scale) == float(scale) < 1.0
+    assert int(es.step_count(state)) == int(ref_state.gradient_step) == 6
+
+
 def test_a_python_float_that_keeps_changing_warns_naming_the_leaf():
     """Item 6: each new float compiles again; the warning names the leaf and the
     fix (an array)."""
@@ -88,6 +116,9 @@ def test_a_python_float_that_keeps_changing_warns_naming_the_leaf():
         for lr in (0.1, 0.2, 0.3, 0.4):
             state.hyperparams["learning_rate"] = lr
             model, state = step(model, state, x, y)
+            # the third Python value (the second change) is the one that warns
+            warned = [w for w in caught if w.category is es.RecompileWarning]
+            assert len(warned) == (lr >= 0.3), (lr, warned)
     messages = [str(w.message) for w in caught if w.category is es.RecompileWarning]
     assert len(messages) == 1, messages
     assert "opt_state.hyperparams['learning_rate']" in messages[0]

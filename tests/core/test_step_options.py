@@ -139,8 +139,24 @@ def test_return_loss_is_the_loss_before_the_update():
         (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), 3, 3),
         (lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3), 3, 3),
         (lambda: optax.MultiSteps(optax.adam(1e-3), 3), 6, 2),
+        # counts that are not step counters are left out (adam's is read)
+        (
+            lambda: optax.chain(
+                optax.adam(1e-3), optax.contrib.reduce_on_plateau(patience=1)
+            ),
+            3,
+            3,
+        ),
+        (lambda: optax.chain(optax.apply_every(2), optax.adam(1e-3)), 3, 3),
     ],
-    ids=["adam", "chain", "inject_hyperparams", "MultiSteps"],
+    ids=[
+        "adam",
+        "chain",
+        "inject_hyperparams",
+        "MultiSteps",
+        "reduce_on_plateau",
+        "apply_every",
+    ],
 )
 def test_step_count_reads_optax_counters(make_opt, calls, want):
     xs, ys = data(n=calls)
@@ -154,6 +170,16 @@ def test_step_count_reads_optax_counters(make_opt, calls, want):
 
 def test_step_count_without_a_counter_says_so():
     opt_state = optax.sgd(0.1).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="keeps no step counter"):
+        es.step_count(opt_state)
+    # reduce_on_plateau's `count` (losses towards its average, 0 again after each)
+    # is no step counter: after 3 steps it is 0, and nothing else counts
+    opt = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+    params = {"w": jnp.ones(2)}
+    opt_state = opt.init(params)
+    for _ in range(3):
+        _, opt_state = opt.update(params, opt_state, params, value=jnp.asarray(1.0))
+    assert int(opt_state[1].count) == 0
     with pytest.raises(ValueError, match="keeps no step counter"):
         es.step_count(opt_state)
 
