@@ -601,10 +601,16 @@ class Compiled:
         Python number keeps changing (a float learning rate set between steps
         compiles the step at every change)."""
         changing = []
-        for j, v in zip(sig.static_idx, statics):
+        for pos, (j, v) in enumerate(zip(sig.static_idx, statics)):
             if isinstance(v, bool) or not isinstance(v, (int, float, complex)):
                 continue
-            seen = sig.numbers_seen.setdefault(j, [])
+            seen = sig.numbers_seen.get(j)
+            if seen is None:  # the values of the plans compiled before: the first
+                # value counts as a value seen (the warning comes at the third)
+                seen = sig.numbers_seen[j] = []
+                for key in sig.plans:
+                    if key[0][pos] not in seen:
+                        seen.append(key[0][pos])
             if v not in seen:
                 seen.append(v)
             if len(seen) >= 3:
