@@ -249,14 +249,22 @@ class Histogram(Metric):
 
     def __init__(
         self,
-        bins: int,
+        bins: int | np.integer,
         range: tuple[float | int, float | int],
         *,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
-        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+        if isinstance(bins, (bool, np.bool_)) or not isinstance(
+            bins, (int, np.integer)
+        ):
+            raise StateTypeError(
+                f"Histogram: bins must be an int >= 1, got {bins!r} "
+                f"({type(bins).__name__}), as for `np.histogram`."
+            )
+        if bins < 1:
             raise StateValueError(f"Histogram: bins must be an int >= 1, got {bins!r}.")
+        bins = int(bins)
         try:
             low, high = (float(r) for r in range)
         except (TypeError, ValueError):

@@ -3,6 +3,8 @@ equal float64 NumPy over the activations of a plain forward pass that returns th
 captures equal the intermediate of an uncaptured forward; both modes, make_step,
 apply, es.vmap, scan over layers; reset, merge, inference mode, bad input."""
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -290,6 +292,20 @@ def test_histogram_bad_arguments():
         es.metrics.Histogram(0, range=(0.0, 1.0))
     with pytest.raises(ValueError, match="finite with low < high"):
         es.metrics.Histogram(3, range=(1.0, 1.0))
+
+
+def test_histogram_bins_of_a_wrong_type_is_a_type_error_as_in_numpy():
+    # the class unwrapped: the test run's beartype hook would refuse 2.5 first
+    init = inspect.unwrap(es.metrics.Histogram.__init__)
+    for bins, numpy_error in ((2.5, TypeError), (True, None), ("4", None)):
+        if numpy_error is not None:
+            with pytest.raises(numpy_error):
+                np.histogram([0.5], bins=bins, range=(0.0, 1.0))
+        with pytest.raises(TypeError, match="bins must be an int >= 1"):
+            init(object.__new__(es.metrics.Histogram), bins, range=(0.0, 1.0))
+    # NumPy integers are whole numbers: taken as they are, as by `np.histogram`
+    hist = es.metrics.Histogram(np.int64(4), range=(0.0, 1.0))
+    assert hist.bins == 4 and type(hist.bins) is int
 
 
 # ---------------------------------------------------------------- per example
