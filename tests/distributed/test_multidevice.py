@@ -5,11 +5,36 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 
 HERE = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_multidevice_suite():
+# The step on a mesh (data and tensor parallel, layouts, refusals) in the default
+# run; the sharded matrix, metrics and recorders with the slow cases (also in CI).
+CORE = [
+    "test_sharded_step.py",
+    "test_batch_norm_sharded.py",
+    "test_mesh_refusals.py",
+    "test_layout.py",
+]
+REST = [
+    "test_matrix_sharded.py",
+    "test_metrics_sharded.py",
+    "test_record_sharded.py",
+]
+
+
+def test_every_multidevice_file_runs_in_one_group():
+    files = sorted(p.name for p in (HERE / "multidevice").glob("test_*.py"))
+    assert files == sorted(CORE + REST)
+
+
+@pytest.mark.parametrize(
+    "files", [CORE, pytest.param(REST, marks=pytest.mark.slow)], ids=["core", "rest"]
+)
+def test_multidevice_suite(files):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -25,7 +50,7 @@ def test_multidevice_suite():
             "no:cacheprovider",
             "-n",
             "0",  # one process: it is one worker of the outer run already
-            str(HERE / "multidevice"),
+            *(str(HERE / "multidevice" / f) for f in files),
         ],
         env=env,
         capture_output=True,

@@ -130,6 +130,10 @@ def _check(got: dict, model, opt_state, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(got[f"metric_{k}"], np.asarray(v), rtol=rtol)
 
 
+# Two real processes for every case (one fixture, ~25 s of CPU): with the slow cases
+# (also in CI); the 4-device step on one process runs by default
+# (tests/distributed/test_multidevice.py).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, steps, mode",
     [
@@ -149,6 +153,7 @@ def test_two_processes_equal_one_device(results, case, steps, mode):
     assert int(es.freeze(model).steps.count[...]) == len(steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, steps", [("data_parallel_value", 4), ("fsdp", 3)])
 def test_two_processes_equal_pure_jax(results, case, steps):
     """... and a hand-threaded pure-JAX loop (independent of eqx_state)."""

@@ -16,9 +16,18 @@ PAGES = sorted(p for p in DOCS.rglob("*.md")) + [DOCS.parent / "README.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-# Pages whose blocks train a model end to end: the slow run executes them (the
-# example they walk through runs by default in its own test, tests/examples/test_lm.py).
-SLOW_PAGES = {"language-model.md"}
+# Pages whose blocks train a model end to end, or that take over ~5 s of CPU: the
+# slow run executes them (also in CI). The example language-model.md walks through
+# runs by default in its own test, tests/examples/test_lm.py; what the long pages
+# show is tested by default in tests/io (pytorch.md), tests/nn/test_record.py
+# (diagnostics.md), tests/metrics (metrics.md) and tests/core (equinox.md).
+SLOW_PAGES = {
+    "language-model.md",
+    "pytorch.md",
+    "diagnostics.md",
+    "metrics.md",
+    "equinox.md",
+}
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,7 @@ def test_decode_example_prints_tokens_and_matches_uncached(capsys, steps):
     assert batch[0] == value_tokens  # row 0 is the same prompt
 
 
+@pytest.mark.slow  # the example again; its own check runs by default above
 def test_decode_example_first_token_is_the_uncached_argmax():
     """Independent of the example's own check: the generated tokens are the argmax
     of the uncached forward, step by step (plain loop, no cache)."""

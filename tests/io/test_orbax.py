@@ -355,6 +355,7 @@ def test_numpy_data_positions_es_load_then_orbax(tmp_path, mode):
     _assert_numpy_leaves(_load_bytes(_saved(model), swapped), swapped, model)
 
 
+@pytest.mark.slow  # a fresh interpreter (~8 s)
 def test_the_package_imports_without_orbax():
     code = (
         "import sys\n"
@@ -411,6 +412,7 @@ def assert_equals_uninterrupted(example, tmp_path, mode, resumed):
     assert int(resumed[0].steps.value) == STEPS
 
 
+@pytest.mark.slow  # the example end to end; Orbax's round trips run by default above
 def test_example_resumes_bit_exactly_after_a_stop(example, tmp_path):
     """Ref mode: train 10 of 12 steps here and stop; a fresh process resumes from
     the latest checkpoint (8) and finishes."""

@@ -17,7 +17,10 @@ from eqx_state import metrics as esm
 from eqx_state.metrics import _histogram
 
 
-MODES = ["value", "ref"]
+# The same arithmetic in both modes: the default run checks it in value mode (a
+# compiled call through `es.apply`), the slow run (also in CI) in ref mode too; ref
+# mode's writes under every transformation: tests/core/test_transform_matrix.py.
+MODES = ["value", pytest.param("ref", marks=pytest.mark.slow)]
 N = 96  # values per draw (padded with NaN, in no count): one shape per dtype
 SETTINGS = settings(
     max_examples=10,

@@ -14,7 +14,10 @@ import eqx_state as es
 from eqx_state import metrics as esm
 
 
-MODES = ["value", "ref"]
+# The same arithmetic in both modes: the default run checks it in value mode (a
+# compiled call through `es.apply`), the slow run (also in CI) in ref mode too; ref
+# mode's writes under every transformation: tests/core/test_transform_matrix.py.
+MODES = ["value", pytest.param("ref", marks=pytest.mark.slow)]
 
 
 @eqx.filter_jit
