@@ -50,6 +50,26 @@ def _mse(model, x, y):
     return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
 
 
+def _beside_optaxs_loop(opt, ref_opt, calls):
+    """`calls` steps of `make_step(_mse, opt)` beside optax's documented loop by
+    hand with `ref_opt` (the loss passed as `value=`): losses and parameters
+    equal at every call; returns both optimizer states."""
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    y = jnp.sin(x[:, 0])
+    step = es.make_step(_mse, opt, return_loss=True, donate=False)
+    state = step.init(model)
+    params, ref_state = model, ref_opt.init(eqx.filter(model, eqx.is_inexact_array))
+    for _ in range(calls):
+        model, state, loss = step(model, state, x, y)
+        ref_loss, grads = jax.value_and_grad(_mse)(params, x, y)
+        updates, ref_state = ref_opt.update(grads, ref_state, params, value=ref_loss)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(model.weight, params.weight, rtol=1e-5)
+    return state, ref_state
+
+
 def test_reduce_on_plateau_gets_the_loss_like_optaxs_own_loop():
     """Item 12: an optimizer that needs the loss (`value=`) trains as in optax's
     documented loop."""
@@ -59,19 +79,7 @@ def test_reduce_on_plateau_gets_the_loss_like_optaxs_own_loop():
         optax.sgd(1.5),
         optax.contrib.reduce_on_plateau(patience=1, factor=0.5),
     )
-    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (16, 2))
-    y = jnp.sin(x[:, 0])
-    step = es.make_step(_mse, opt, return_loss=True, donate=False)
-    state = step.init(model)
-    params, ref_state = model, opt.init(eqx.filter(model, eqx.is_inexact_array))
-    for _ in range(8):
-        model, state, loss = step(model, state, x, y)
-        ref_loss, grads = jax.value_and_grad(_mse)(params, x, y)
-        updates, ref_state = opt.update(grads, ref_state, params, value=ref_loss)
-        params = optax.apply_updates(params, updates)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    np.testing.assert_allclose(model.weight, params.weight, rtol=1e-5)
+    state, ref_state = _beside_optaxs_loop(opt, opt, 8)
     assert float(state[1].scale) == float(ref_state[1].scale) < 1.0  # it reduced
 
 
@@ -85,19 +93,7 @@ def test_multi_steps_forwards_the_loss_like_optaxs_own_loop(plain):
     )
     multi = optax.MultiSteps(inner, every_k_schedule=2)
     opt = multi.gradient_transformation() if plain else multi
-    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (16, 2))
-    y = jnp.sin(x[:, 0])
-    step = es.make_step(_mse, opt, return_loss=True, donate=False)
-    state = step.init(model)
-    params, ref_state = model, multi.init(eqx.filter(model, eqx.is_inexact_array))
-    for _ in range(12):
-        model, state, loss = step(model, state, x, y)
-        ref_loss, grads = jax.value_and_grad(_mse)(params, x, y)
-        updates, ref_state = multi.update(grads, ref_state, params, value=ref_loss)
-        params = optax.apply_updates(params, updates)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    np.testing.assert_allclose(model.weight, params.weight, rtol=1e-5)
+    state, ref_state = _beside_optaxs_loop(opt, multi, 12)
     scale = ref_state.inner_opt_state[1].scale
     assert float(state.inner_opt_state[1].scale) == float(scale) < 1.0
     assert int(es.step_count(state)) == int(ref_state.gradient_step) == 6
