@@ -6,6 +6,8 @@ argument value is a `ValueError`, a wrong type a `TypeError`), so existing `exce
 ValueError` clauses keep working.
 """
 
+import numpy as np
+
 
 def user_stacklevel() -> int:
     """`warnings.warn`'s `stacklevel` for the user's line that called into the
@@ -113,3 +115,22 @@ class RecompileWarning(UserWarning):
 class ReadOnlyError(EqxStateError, AttributeError):
     """An attribute that cannot be changed after construction (a step's
     optimizer, loss function, ...)."""
+
+
+def is_whole(x: object) -> bool:
+    """A whole number given as an argument: a Python or NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_int(where: str, name: str, value: object, minimum: int) -> int:
+    """`value` as an `int` if it is a whole number (`is_whole`) of at least
+    `minimum`; else a `StateTypeError` (not a whole number, as `np.histogram` and
+    `range` refuse one) or a `StateValueError` (too small), naming `where`."""
+    if not is_whole(value):
+        raise StateTypeError(
+            f"{where}: {name} must be an int, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    if value < minimum:  # type: ignore[operator]
+        raise StateValueError(f"{where}: {name} must be >= {minimum}, got {value}.")
+    return int(value)  # type: ignore[arg-type]

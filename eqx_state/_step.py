@@ -16,7 +16,7 @@ import optax
 
 from ._buffer import is_state
 from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
-from ._errors import ReadOnlyError, StateTypeError, StateValueError
+from ._errors import ReadOnlyError, StateTypeError, StateValueError, is_whole
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, Placement, layout_rule, place, place_carry
 
@@ -77,7 +77,7 @@ class Step:
                 "`init` and `update`, e.g. `optax.adam(1e-3)`), got "
                 f"{type(optimizer).__name__}."
             )
-        if microbatches is not None and not _is_whole(microbatches):
+        if microbatches is not None and not is_whole(microbatches):
             raise StateTypeError(
                 "make_step: microbatches must be a whole number >= 1 (or None), got "
                 f"{microbatches!r}."
@@ -351,11 +351,6 @@ _RESERVED_JIT = {
 }
 
 
-def _is_whole(x: Any) -> bool:
-    """A whole number (a Python or NumPy integer), not a bool."""
-    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
-
-
 def check_options(
     where: str, fn: Any, jit_kwargs: Any, scan_unroll: Any, **flags: Any
 ) -> None:
@@ -372,7 +367,7 @@ def check_options(
                 f"{where}: `{name}` must be True or False, got {value!r}."
             )
     if not isinstance(scan_unroll, bool | np.bool_) and not (
-        _is_whole(scan_unroll) and scan_unroll >= 1
+        is_whole(scan_unroll) and scan_unroll >= 1
     ):
         raise StateValueError(
             f"{where}: `scan_unroll` must be a whole number >= 1 or a bool (as "

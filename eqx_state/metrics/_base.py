@@ -12,7 +12,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, _LayerBase, is_state
@@ -21,6 +20,7 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_int,
 )
 
 
@@ -244,17 +244,7 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
     )
 
 
-def _check_int(metric: str, name: str, value: Any, minimum: int) -> int:
-    """`value` as an int if it is an integer (not a bool) of at least `minimum`;
-    else a `StateTypeError` (not an integer) or `StateValueError` (too small)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise StateTypeError(
-            f"{metric}: {name} must be an int, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-    if value < minimum:
-        raise StateValueError(f"{metric}: {name} must be >= {minimum}, got {value}.")
-    return int(value)
+_check_int = check_int  # the one check of a whole-number option (`_errors`)
 
 
 def _kind(dtype: Any) -> int:

@@ -30,6 +30,7 @@ from ._base import (
     Metric,
     _check_dtype,
     _check_inputs,
+    _check_int,
     _replicated,
     _weights,
     statistic,
@@ -255,16 +256,7 @@ class Histogram(Metric):
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
-        if isinstance(bins, (bool, np.bool_)) or not isinstance(
-            bins, (int, np.integer)
-        ):
-            raise StateTypeError(
-                f"Histogram: bins must be an int >= 1, got {bins!r} "
-                f"({type(bins).__name__}), as for `np.histogram`."
-            )
-        if bins < 1:
-            raise StateValueError(f"Histogram: bins must be an int >= 1, got {bins!r}.")
-        bins = int(bins)
+        bins = _check_int("Histogram", "bins", bins, 1)
         try:
             low, high = (float(r) for r in range)
         except (TypeError, ValueError):

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat, _LayerBase, layer_path
-from .._errors import StateTypeError, StateValueError
+from .._errors import StateTypeError, StateValueError, is_whole
 from ._axis import axis_size
 from ._complex import refuse_complex
 from ._flag import inference_flag
@@ -134,9 +134,7 @@ class BatchNorm(_LayerBase):
         inference: bool = False,
         dtype=None,
     ):
-        if isinstance(num_features, bool) or not isinstance(
-            num_features, (int, np.integer)
-        ):
+        if not is_whole(num_features):
             raise StateTypeError(
                 "BatchNorm: num_features (the number of channels) must be an int, "
                 f"got {num_features!r} of type {type(num_features).__name__}. E.g. "
@@ -147,9 +145,7 @@ class BatchNorm(_LayerBase):
                 f"BatchNorm: num_features must be positive, got {num_features}."
             )
         num_features = int(num_features)
-        if isinstance(channel_axis, bool) or not isinstance(
-            channel_axis, (int, np.integer)
-        ):
+        if not is_whole(channel_axis):
             raise StateTypeError(
                 "BatchNorm: channel_axis must be an int (1 for [N, C, ...], -1 for "
                 f"channels-last), got {channel_axis!r}."

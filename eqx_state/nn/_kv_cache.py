@@ -5,12 +5,11 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import core as jax_core
 from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
-from .._errors import StateTypeError, StateValueError, StateWriteError
+from .._compat import Tracer
+from .._errors import StateTypeError, StateValueError, StateWriteError, is_whole
 from ._complex import refuse_complex
 
 
@@ -130,7 +129,7 @@ class KVCache(_LayerBase):
     ):
         sizes = {"max_len": max_len, "num_heads": num_heads, "head_dim": head_dim}
         for name, v in sizes.items():
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            if not is_whole(v):
                 raise StateTypeError(
                     f"KVCache: {name} must be an int, got {v!r} of type "
                     f"{type(v).__name__}."
@@ -218,7 +217,7 @@ class KVCache(_LayerBase):
         start = self.cursor[...]
         if n > self.max_len:
             raise StateWriteError(_overflow_message(self.max_len))
-        if isinstance(start, jax_core.Tracer):
+        if isinstance(start, Tracer):
             overflow = start + n > self.max_len
             if self.on_overflow == "raise":
                 keys, values = eqx.error_if(
@@ -278,7 +277,7 @@ class KVCache(_LayerBase):
             "KVCache.truncate: the new length must be between 0 and the current "
             "cursor (positions past the cursor hold nothing to keep)."
         )
-        if isinstance(bad, jax_core.Tracer) or isinstance(cursor, jax_core.Tracer):
+        if isinstance(bad, Tracer) or isinstance(cursor, Tracer):
             length = jnp.asarray(eqx.error_if(length, bad, msg))
         elif bool(jnp.any(bad)):
             raise StateWriteError(

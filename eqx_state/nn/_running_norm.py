@@ -8,11 +8,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Num
 
 from .._buffer import BatchStat, _LayerBase
-from .._errors import StateTypeError, StateValueError
+from .._errors import StateTypeError, StateValueError, is_whole
 from ._axis import axis_size
 from ._complex import refuse_complex
 from ._flag import inference_flag
@@ -21,14 +20,10 @@ from ._flag import inference_flag
 _COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _check_shape(shape: Any) -> tuple[int, ...]:
     """The shape of one input, from an int or a sequence of ints, each positive."""
-    dims: Any = (shape,) if _is_int(shape) else shape
-    if not isinstance(dims, Sequence) or not all(_is_int(d) for d in dims):
+    dims: Any = (shape,) if is_whole(shape) else shape
+    if not isinstance(dims, Sequence) or not all(is_whole(d) for d in dims):
         raise StateTypeError(
             "RunningNorm: shape must be an int (a vector of that size) or a tuple "
             f"of ints (`()` for scalars), got {shape!r}."
