@@ -82,7 +82,60 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
+    _split_storage_modes(items)
     items.sort(key=rank)  # stable: the order within a file is kept
+
+
+# The storage mode of a parametrised case: `mode` ("value"/"ref") or `ref_mode`.
+_MODE_PARAMS = {"mode": ("value", "ref"), "ref_mode": (False, True)}
+
+
+def _split_storage_modes(items) -> None:
+    """The default run checks each case of a test parametrised over the storage mode
+    in one of the two modes; the other mode runs with the slow cases (`pytest -m
+    slow`, also in CI), so that together they cover every case.
+
+    The split is a chessboard: a case runs by default when the index of its mode
+    plus the index of the value of each other parameter (among that parameter's
+    values in the test), plus the test's ordinal among the mode-parametrised tests
+    of its file, is even. So every value of every parameter meets both modes by
+    default, and a test parametrised over the mode only runs in value mode or in
+    ref mode, alternately down the file. Both storage modes run the same compiled
+    program (a ref-mode cell runs as a value-mode one inside a step); what differs,
+    the reads and write-backs of refs, is what the transform matrix and the
+    `both_modes` tests check in both modes by default.
+
+    A test marked `both_modes` (the runners' agreement, issue 23) keeps both.
+    `tests/multidevice` has its own split (`tests/distributed/test_multidevice.py`).
+    """
+    tests: dict = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is None or "multidevice" in item.path.parts:
+            continue
+        names = [
+            n
+            for n in _MODE_PARAMS
+            if n in spec.params and spec.params[n] in _MODE_PARAMS[n]
+        ]
+        if len(names) != 1 or item.get_closest_marker("both_modes"):
+            continue
+        fn = (item.path, item.originalname)
+        tests.setdefault(item.path, {}).setdefault(fn, []).append((item, names[0]))
+    for functions in tests.values():
+        for ordinal, cases in enumerate(functions.values()):
+            seen: dict[str, list] = {}
+            for item, name in cases:
+                index = ordinal + _MODE_PARAMS[name].index(item.callspec.params[name])
+                for param, value in item.callspec.params.items():
+                    if param != name:
+                        values = seen.setdefault(param, [])
+                        key = repr(value)
+                        if key not in values:
+                            values.append(key)
+                        index += values.index(key)
+                if index % 2:
+                    item.add_marker(pytest.mark.slow)
 
 
 # Every error eqx_state raises is an `es.EqxStateError` (issue 23). Each

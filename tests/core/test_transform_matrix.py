@@ -29,16 +29,6 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "transform-matrix.m
 STRICT = os.environ.get("EQX_STATE_MATRIX_STRICT") == "1"
 
 
-def _in_default_run(case: str, column: str, mode: str) -> bool:
-    """The default run checks every (layer, transformation) pair in one of the two
-    modes, alternating like a chessboard: every layer and every transformation
-    meets both modes. The other half runs with the slow cases (`pytest -m slow`,
-    also in CI), so that together they cover every cell."""
-    i = [c.name for c in M.CASES].index(case)
-    j = list(M.TRANSFORMS).index(column)
-    return M.MODES[(i + j) % 2] == mode
-
-
 def _params():
     out = []
     for case, column, mode in M.cells():
@@ -48,12 +38,13 @@ def _params():
             if isinstance(exp, M.Known) and not (STRICT and exp.silent)
             else []
         )
-        if not _in_default_run(case, column, mode):
-            marks.append(pytest.mark.slow)
         out.append(pytest.param(case, column, mode, marks=marks))
     return out
 
 
+# The default run checks each (layer, transformation) pair in one of the two modes,
+# alternating like a chessboard (every layer and every transformation meets both
+# modes), and the slow run the other: tests/conftest.py, `_split_storage_modes`.
 @pytest.mark.parametrize("case, column, mode", _params())
 def test_cell(case, column, mode):
     M.run_cell(case, column, mode)

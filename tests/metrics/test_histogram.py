@@ -17,10 +17,10 @@ from eqx_state import metrics as esm
 from eqx_state.metrics import _histogram
 
 
-# The same arithmetic in both modes: the default run checks it in value mode (a
-# compiled call through `es.apply`), the slow run (also in CI) in ref mode too; ref
+# The same arithmetic in both modes: each case runs in one of them by default and in
+# the other with the slow cases (tests/conftest.py, `_split_storage_modes`); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
-MODES = ["value", pytest.param("ref", marks=pytest.mark.slow)]
+MODES = ["value", "ref"]
 N = 96  # values per draw (padded with NaN, in no count): one shape per dtype
 SETTINGS = settings(
     max_examples=10,

@@ -14,10 +14,10 @@ import eqx_state as es
 from eqx_state import metrics as esm
 
 
-# The same arithmetic in both modes: the default run checks it in value mode (a
-# compiled call through `es.apply`), the slow run (also in CI) in ref mode too; ref
+# The same arithmetic in both modes: each case runs in one of them by default and in
+# the other with the slow cases (tests/conftest.py, `_split_storage_modes`); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
-MODES = ["value", pytest.param("ref", marks=pytest.mark.slow)]
+MODES = ["value", "ref"]
 
 
 @eqx.filter_jit
