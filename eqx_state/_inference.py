@@ -7,17 +7,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
-from ._buffer import check_live
 from ._errors import StateTypeError, StateValueError
-
-
-def _check_live(model: Any) -> None:
-    """`StaleModelError` for a model consumed by a donating call: switching its
-    mode would hand back a model that fails at its first parameter read with
-    JAX's bare "Array has been deleted"."""
-    for path, x in jax.tree_util.tree_leaves_with_path(model):
-        check_live(x, f"model's leaf `{jax.tree_util.keystr(path)}`")
+from ._modes import check_tree_live
 
 
 def _has_inference(x: Any) -> bool:
@@ -61,7 +54,7 @@ def _inference_paths(tree: Any, keep: Callable[[Any], bool]) -> list[str]:
 
 def inference_mode(
     model: Any,
-    value: bool = True,
+    value: bool | np.bool_ = True,
     *,
     where: Callable[[Any], Any] | None = None,
     only: type | tuple[type, ...] | Callable[[Any], bool] | None = None,
@@ -88,7 +81,8 @@ def inference_mode(
     **Arguments:**
 
     - `model`: any model (value or ref mode; cells are untouched).
-    - `value`: `True` for evaluation (default), `False` for training.
+    - `value`: `True` for evaluation (default), `False` for training (a NumPy
+        bool is read as the Python bool; anything else is a `TypeError`).
     - `where`: selects the part(s) of the model to switch, as for `eqx.tree_at`:
         `lambda m: m.backbone`, or a tuple `lambda m: (m.block1, m.block2)`.
         Default: the whole model.
@@ -125,7 +119,15 @@ def inference_mode(
     ```
     """
     keep = _as_predicate(only)
-    _check_live(model)
+    if isinstance(value, np.bool_):  # a flag read from a NumPy array of flags
+        value = bool(value)
+    if not isinstance(value, bool):
+        raise StateTypeError(
+            f"inference_mode: `value` must be a bool (True: evaluation, False: "
+            f"training), got {type(value).__name__}: the flag decides which program "
+            "a layer traces, so it is a Python value, never an array."
+        )
+    check_tree_live(model)  # switching a consumed model's mode would hide it
 
     # Several parts (`where=lambda m: (m.a, m.b)`) are switched one by one: a part
     # with no match is fine as long as some part has one.

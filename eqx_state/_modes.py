@@ -38,6 +38,15 @@ def path_str(path: tuple) -> str:
     return ".".join(map(key_name, path))
 
 
+def check_tree_live(tree: Any) -> None:
+    """`check_live` on every leaf of a model: a `StaleModelError` that names the
+    first leaf a donating call consumed (its path in the model). For the calls
+    that would otherwise hand back, or write into, a model that fails at its
+    first read of a parameter: `es.apply`, `es.reset`, `es.inference_mode`."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        check_live(leaf, f"model's leaf `{path_str(path)}`")
+
+
 def argument_name(path: tuple) -> str:
     """A leaf of a call's `(args, kwargs)` named as the user passed it:
     `args[2]`, `kwargs['weights']`, with the rest of its key path."""

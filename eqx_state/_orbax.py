@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.core import Tracer
 
 from ._checkpoint import (
     CheckpointError,
@@ -20,6 +19,7 @@ from ._checkpoint import (
     _numpy_leaf,
     _read_ref,
 )
+from ._compat import Tracer
 from ._modes import with_witnesses, without_witnesses
 
 

@@ -19,7 +19,13 @@ import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
 from ._errors import StateValueError, StepError
-from ._modes import argument_name, refreeze, thaw, without_witnesses
+from ._modes import (
+    argument_name,
+    check_tree_live,
+    refreeze,
+    thaw,
+    without_witnesses,
+)
 
 
 def train_step(
@@ -74,6 +80,9 @@ def takes_extra_args(optimizer: Any) -> bool:
 
 def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
     """Run `fn(model, *args, **kwargs)` with writable cells: returns `(out, model)`."""
+    # before `fn` writes anything: a ref-mode model consumed by a step still holds
+    # live refs (the new model's), beside parameters that were donated
+    check_tree_live(model)
     thawed, made, paths = thaw(model)
     with named_cells(paths), _cond_note():
         out = fn(thawed, *args, **kwargs)
@@ -350,7 +359,7 @@ def scan_calls(
     every iteration."""
     arrays, static = eqx.partition(carry, eqx.is_array)
     batch, static_args = eqx.partition((args, kwargs), eqx.is_array)
-    leading_axis(
+    length = leading_axis(
         batch,
         "`scan` runs one call per slice of its array arguments' leading axis (K)",
         "Pass values that are the same for every call through a closure or as "
@@ -361,6 +370,12 @@ def scan_calls(
     def body(arrays: Any, piece: Any) -> tuple[Any, Any]:
         a, k = eqx.combine(piece, static_args)
         new, out = call(eqx.combine(arrays, static), a, k)
+        out_arrays, static_out = eqx.partition(out, eqx.is_array)
+        out_static.append(static_out)
+        if length == 0:
+            # no call runs (K = 0 calls change nothing): the carry comes back as
+            # it is, whatever one call would make of its types
+            return arrays, out_arrays
         new_arrays, new_static = eqx.partition(new, eqx.is_array)
         if jax.tree.structure(new_arrays) != jax.tree.structure(arrays):
             if jax.tree.structure(new) == jax.tree.structure(carry):
@@ -394,13 +409,33 @@ def scan_calls(
                 f"{path} comes back {'weakly' if new_weak else 'strongly'} typed "
                 f"from a call that got it {'weakly' if old_weak else 'strongly'} typed"
             )
-        del new_static  # Python values: the carry's own (checked by the structure)
-        out_arrays, static_out = eqx.partition(out, eqx.is_array)
-        out_static.append(static_out)
+        changed = _changed_python_value(new_static, static)
+        if changed is not None:
+            # a call changes a Python value of the carry (an optimizer's Python
+            # counter or phase): a scan carries arrays only, and K separate calls
+            # compute each call with the value the previous one returned
+            raise NeedsFirstCall(f"{changed} changes from one call to the next")
         return new_arrays, out_arrays
 
     arrays, outs = jax.lax.scan(body, arrays, batch, unroll=unroll)
     return eqx.combine(arrays, static), eqx.combine(outs, out_static[-1])
+
+
+def _changed_python_value(new: Any, old: Any) -> str | None:
+    """The path of the first Python value (a non-array leaf) of the carry that a
+    call changed, or `None`. Equal means the same type and `==` (`1` and `1.0`, or
+    `True` and `1`, compile differently); an object that cannot say counts as
+    changed."""
+    for path, (n, o) in _paired(new, old):
+        if n is o:
+            continue
+        try:
+            same = type(n) is type(o) and bool(n == o)
+        except Exception:
+            same = False
+        if not same:
+            return path
+    return None
 
 
 def leading_axis(batch: tuple, what: str, fix: str) -> int:

@@ -8,10 +8,11 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.core import Tracer
 
-from ._buffer import Buffer, MetricState, check_live, is_state
+from ._buffer import Buffer, MetricState, is_state
+from ._compat import Tracer
 from ._errors import StateTypeError, StateValueError
+from ._modes import check_tree_live
 
 
 _T = TypeVar("_T")
@@ -81,8 +82,7 @@ def reset(model: _T, which: Which = MetricState) -> _T:
     select = _selector(which)
     # A consumed model (its buffers donated to a step) would come back looking
     # reset and fail at its first read of anything else.
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
-        check_live(leaf, f"model's leaf `{jax.tree_util.keystr(path)}`")
+    check_tree_live(model)
     replaced = []
 
     def one(path: Any, x: Any) -> Any:

@@ -18,12 +18,19 @@ def inference_flag(layer: Any) -> bool:
     leaf of the model (`jax.tree.map(jnp.copy, model)`), which turns `True` /
     `False` into arrays."""
     value = layer.inference
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
+    if isinstance(value, bool):
+        return value
     kind = getattr(value, "dtype", type(value).__name__)
+    numpy = (
+        " A NumPy bool (`np.True_`, an item of a NumPy array of flags) is an array "
+        "to Equinox's filters (`eqx.is_array`), which a compiled call traces: set "
+        "the Python bool, `bool(flag)`."
+        if np.shape(value) == () and getattr(value, "dtype", None) == np.bool_
+        else ""
+    )
     raise StateTypeError(
         f"`{type(layer).__name__}.inference` must be a Python bool, got "
-        f"{type(value).__name__} ({kind}{getattr(value, 'shape', '')}). A map over "
+        f"{type(value).__name__} ({kind}{getattr(value, 'shape', '')}).{numpy} A map over "
         "every leaf of the model, such as `jax.tree.map(jnp.copy, model)`, turns "
         "the layers' bool flags into arrays; map over the arrays only: "
         "`jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)`. "

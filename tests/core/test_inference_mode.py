@@ -197,6 +197,44 @@ def test_selecting_nothing_is_an_error():
         es.inference_mode(Net(), only="BatchNorm")  # pyright: ignore
 
 
+def test_a_numpy_bool_flag_gives_one_answer_on_every_path():
+    """`es.inference_mode(model, flags[i])` with a NumPy array of flags reads the
+    NumPy bool as the Python one, so every path runs the same program. A NumPy bool
+    put in by other means (Equinox's `inference_mode`) is refused by every path
+    alike: eager calls accepted it, compiled ones traced it (an array to
+    `eqx.is_array`) and refused it with advice about tree maps."""
+    import inspect
+
+    flags = np.array([True, False])
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+    def runs(model):
+        step = es.make_step(
+            lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1), return_loss=True
+        )
+        return {
+            "eager ref mode": lambda: es.to_refs(model)(x),
+            "es.apply": lambda: es.apply(lambda m, x: m(x), model, x)[0],
+            "make_apply": lambda: es.make_apply(lambda m, x: m(x), donate=False)(
+                model, x
+            )[0],
+            "make_step": lambda: step(model, step.init(model), x)[2],
+        }
+
+    for flag in flags:
+        by_numpy = runs(es.inference_mode(es.nn.BatchNorm(3), flag))
+        by_python = runs(es.inference_mode(es.nn.BatchNorm(3), bool(flag)))
+        assert es.inference_mode(es.nn.BatchNorm(3), flag).inference is bool(flag)
+        for name, run in by_numpy.items():
+            np.testing.assert_array_equal(run(), by_python[name](), err_msg=name)
+        for run in runs(eqx.nn.inference_mode(es.nn.BatchNorm(3), flag)).values():
+            with pytest.raises(TypeError, match=r"NumPy bool.*`bool\(flag\)`"):
+                run()
+    for bad in (1, jnp.asarray(True), "yes"):  # beartype first, in this suite
+        with pytest.raises(TypeError, match="`value` must be a bool"):
+            inspect.unwrap(es.inference_mode)(es.nn.BatchNorm(3), bad)
+
+
 def test_docstring_example_runs(capsys):
     block = re.findall(r"```python\n(.*?)```", es.inference_mode.__doc__, re.S)[-1]
     exec(textwrap.dedent(block), {})

@@ -11,6 +11,7 @@ statistics, the key stream, the metric and the average threaded by hand)."""
 from __future__ import annotations
 
 import gc
+import warnings
 
 import equinox as eqx
 import jax
@@ -294,6 +295,75 @@ def _with(opt_state, lr):
     return opt_state
 
 
+class _PhaseState(eqx.Module):
+    phase: int  # a Python value of the optimizer state, advanced by every update
+
+
+def _phased_sgd(lrs=(0.1, 0.03, 0.01)):
+    """SGD whose learning rate is picked by a Python counter in its state (a
+    schedule kept on the Python side): each call compiles with the phase it gets
+    and returns the next one."""
+
+    def update(grads, state, params=None):
+        lr = lrs[min(state.phase, len(lrs) - 1)]
+        return jax.tree.map(lambda g: -lr * g, grads), _PhaseState(state.phase + 1)
+
+    return optax.GradientTransformation(lambda params: _PhaseState(0), update)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_python_value_the_optimizer_advances_reaches_every_call(runner):
+    """`scan` carried its first call's Python value into every call (and returned
+    it unchanged): here the learning rate stayed at phase 0 for K steps. Every
+    runner equals K calls, which equal the hand-threaded loop with optax's
+    `update`."""
+    with warnings.catch_warnings():  # a new Python value each call: a new program
+        warnings.simplefilter("ignore", es.RecompileWarning)
+        model, opt_state, losses = run(runner, "value", _phased_sgd())
+        want_model, _, want = run("step", "value", _phased_sgd())
+    assert opt_state.phase == K
+    assert np.array_equal(losses, want)
+    for a, b in zip(arrays(model), arrays(want_model), strict=True):
+        np.testing.assert_array_equal(a, b)
+    params, mean, *_, ref_losses = reference(_phased_sgd())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.lin1.layer.weight, params[0].weight, rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(model.bn.running_mean[...], mean, rtol=1e-4, atol=1e-6)
+
+
+class _Scale(eqx.Module):
+    a: jax.Array
+
+    def __call__(self, x):
+        return x * self.a
+
+
+@pytest.mark.parametrize("case", ["array lr", "python lr", "weak parameter"])
+def test_a_scan_over_no_batch_changes_nothing_on_every_path(case):
+    """K = 0: nothing runs and nothing changes, and the losses are empty, also
+    where a call would change the carry's types (a Python float learning rate, a
+    weakly typed parameter), which raised a bare `IndexError` there."""
+    lr = {"python lr": 0.1, "weak parameter": jnp.asarray(0.1, jnp.float32)}
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.asarray(0.1))
+    step = es.make_step(
+        lambda m, x: jnp.mean(m(x) ** 2), opt, return_loss=True, donate=False
+    )
+    a = jnp.asarray(1.5) if case == "weak parameter" else jnp.float32(1.5)
+    model = _Scale(a)
+    opt_state = _with(step.init(model), lr.get(case, jnp.float32(0.1)))
+    new, new_state, losses = step.scan(model, opt_state, jnp.zeros((0, 4)))
+    assert losses.shape == (0,) and losses.dtype == jnp.float32
+    assert new.a is model.a or np.array_equal(new.a, model.a)
+    assert jax.tree.structure(new_state) == jax.tree.structure(opt_state)
+    assert new_state.hyperparams["learning_rate"] is opt_state.hyperparams[
+        "learning_rate"
+    ] or np.array_equal(
+        new_state.hyperparams["learning_rate"], opt_state.hyperparams["learning_rate"]
+    )
+
+
 def _aux_cell(model, x, y):
     return loss_fn(model, x, y), model.bn  # a module holding cells, as aux
 
@@ -385,6 +455,32 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
     step(model, opt_state, xs[0], ys[0])  # consumes the arrays given to it
     with pytest.raises(es.StaleModelError):
         first_call(runner, step, model, opt_state, xs, ys)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", ["apply", "make_apply", "make_apply.scan"])
+def test_a_stale_model_is_refused_by_every_forward_runner_before_it_writes(
+    runner, mode
+):
+    """A ref-mode model consumed by a step still holds live refs (the new model's)
+    beside its donated parameters: eager `es.apply` ran on it, wrote the new
+    model's statistics, then failed with XLA's bare "deleted" error."""
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    xs, ys = data()
+    new, _ = step(model, step.init(model), xs[0], ys[0])  # consumes `model`
+    before = arrays(new)
+    apply = es.make_apply(forward)
+    calls = {
+        "apply": lambda: es.apply(forward, model, xs[0]),
+        "make_apply": lambda: apply(model, xs[0]),
+        "make_apply.scan": lambda: apply.scan(model, xs),
+    }
+    with pytest.raises(es.StaleModelError, match="consumed"):
+        calls[runner]()
+    for a, b in zip(arrays(new), before, strict=True):  # nothing was written
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
