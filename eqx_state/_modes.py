@@ -42,7 +42,8 @@ def check_tree_live(tree: Any) -> None:
     """`check_live` on every leaf of a model: a `StaleModelError` that names the
     first leaf a donating call consumed (its path in the model). For the calls
     that would otherwise hand back, or write into, a model that fails at its
-    first read of a parameter: `es.apply`, `es.reset`, `es.inference_mode`."""
+    first read of a parameter: `es.apply`, `es.reset`, `es.inference_mode`,
+    `es.to_refs`, `es.freeze`."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         check_live(leaf, f"model's leaf `{path_str(path)}`")
 
@@ -192,8 +193,11 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
     ```
     """
 
+    # a consumed model (donated to a step) would come back holding dead parameters
+    # beside live refs (in ref mode, the refs of the model the step returned)
+    check_tree_live(model)
+
     def one(path: str, buf: Buffer) -> Buffer:
-        check_live(buf.value, describe(buf))
         v = buf.value
         if _is_ref(v):
             return buf
@@ -220,9 +224,9 @@ def freeze(model: Any) -> Any:
     The model in value mode.
     """
     check_no_shared_refs(model)
+    check_tree_live(model)  # as `to_refs`
 
     def one(path: str, buf: Buffer) -> Buffer:
-        check_live(buf.value, describe(buf))
         if not _is_ref(buf.value):
             return buf
         return _rebuild(buf, value=buf[...], witness=None)

@@ -483,6 +483,21 @@ def test_a_stale_model_is_refused_by_every_forward_runner_before_it_writes(
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_every_conversion_refuses_a_consumed_model_alike(mode):
+    """`freeze`, `to_refs`, `reset` and `inference_mode` of a model a step consumed
+    name its first consumed leaf; in ref mode `freeze` and `to_refs` handed back
+    its dead parameters beside the live refs of the model the step returned."""
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    xs, ys = data()
+    step(model, step.init(model), xs[0], ys[0])  # consumes `model`
+    for convert in (es.freeze, es.to_refs, es.reset, es.inference_mode):
+        with pytest.raises(es.StaleModelError, match=r"leaf `lin1\.layer\.weight`"):
+            convert(model)
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_what_was_consumed_is_named_alike_by_every_runner(runner):
     """A stale optimizer state with a fresh model names the optimizer state and its
