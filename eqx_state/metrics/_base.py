@@ -190,6 +190,15 @@ def _truthy(a: Any) -> Array:
     return a if a.dtype == jnp.bool_ else a != jnp.zeros((), a.dtype)
 
 
+def _kept(like: Array, mask: Any) -> Array:
+    """Which elements of `like` count: `mask` broadcast to its shape (all, without
+    one). The mask, not a weight of 0, leaves an element out: a NaN value with
+    weight 0 still makes a weighted sum NaN (`0 * nan`), as in `numpy.average`."""
+    if mask is None:
+        return jnp.ones(like.shape, dtype=bool)
+    return _fit("mask", _truthy(mask), like.shape)
+
+
 def _weights(like: Array, mask: Any, sample_weight: Any, dtype: Any) -> Array:
     """Per-element weights of the shape (and sharding) of `like`: `sample_weight`
     (default 1) where `mask` is true, 0 where it is false."""
@@ -342,25 +351,29 @@ def _check_nan_strategy(metric: str, nan_strategy: str) -> str:
 
 
 def _nan_policy(
-    metric: str, nan_strategy: str, values: Array, w: Array
-) -> tuple[Array, Array]:
-    """Apply a NaN strategy to `values` and their per-element weights `w` (of the
-    values' shape): entries with weight 0 (masked out) never count."""
+    metric: str, nan_strategy: str, values: Array, w: Array, keep: Array
+) -> tuple[Array, Array, Array]:
+    """Apply a NaN strategy to `values`, their per-element weights `w` and which of
+    them count, `keep` (all of the values' shape): masked-out entries never count;
+    an entry with weight 0 does (`0 * nan` is NaN, as in `numpy.average`)."""
     if nan_strategy == "propagate":
-        return values, w
+        return values, w, keep
     bad = jnp.isnan(values) | jnp.isnan(w)
-    counted = bad & (w != 0)  # a NaN weight is != 0
     if nan_strategy == "ignore":
         zero = jnp.zeros_like(w)
-        return jnp.where(bad, jnp.zeros_like(values), values), jnp.where(bad, zero, w)
+        return (
+            jnp.where(bad, jnp.zeros_like(values), values),
+            jnp.where(bad, zero, w),
+            keep & ~bad,
+        )
     values = eqx.error_if(
         values,
-        jnp.any(counted),
+        jnp.any(bad & keep),
         f"{metric}.update(nan_strategy='error') got NaN among its (unmasked) values "
         "or sample weights. Mask the entries out (`mask=`), or build the metric with "
         "nan_strategy='ignore' (skip them) or 'propagate' (the result becomes NaN).",
     )
-    return values, w
+    return values, w, keep
 
 
 def _replicated(x: Array) -> dict[str, Any]:

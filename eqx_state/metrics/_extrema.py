@@ -17,6 +17,7 @@ from ._base import (
     _check_inputs,
     _check_nan_strategy,
     _default_init,
+    _kept,
     _nan_policy,
     _weights,
     statistic,
@@ -61,8 +62,9 @@ class _Extremum(Metric):
         _check_inputs(type(self).__name__, dtype, values=values)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, None, jnp.float32)
-        values, w = _nan_policy(type(self).__name__, self.nan_strategy, values, w)
-        keep = w != 0
+        values, w, keep = _nan_policy(
+            type(self).__name__, self.nan_strategy, values, w, _kept(values, mask)
+        )
         neutral = _default_init(self._reduction, dtype)
         values = jnp.where(keep, values, jnp.full_like(values, neutral))
         reduce = jnp.min if self._reduction == "min" else jnp.max

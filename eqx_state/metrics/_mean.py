@@ -17,6 +17,7 @@ from ._base import (
     _check_inputs,
     _check_nan_strategy,
     _div,
+    _kept,
     _nan_policy,
     _weights,
     statistic,
@@ -97,8 +98,10 @@ class Mean(Metric):
         _check_inputs("Mean", dtype, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
-        values, w = _nan_policy("Mean", self.nan_strategy, values, w)
-        total = jnp.sum(jnp.where(w != 0, values * w, jnp.zeros_like(values)))
+        values, w, keep = _nan_policy(
+            "Mean", self.nan_strategy, values, w, _kept(values, mask)
+        )
+        total = jnp.sum(jnp.where(keep, values * w, jnp.zeros_like(values)))
         self.accumulate(total=total, weight=jnp.sum(w))
 
     def compute(self) -> FloatScalar:
@@ -173,9 +176,11 @@ class Sum(Metric):
         _check_inputs("Sum", dtype, values=values, sample_weight=sample_weight)
         values = jnp.asarray(values).astype(dtype)
         w = _weights(values, mask, sample_weight, dtype)
-        values, w = _nan_policy("Sum", self.nan_strategy, values, w)
+        values, w, keep = _nan_policy(
+            "Sum", self.nan_strategy, values, w, _kept(values, mask)
+        )
         self.accumulate(
-            total=jnp.sum(jnp.where(w != 0, values * w, jnp.zeros_like(values)))
+            total=jnp.sum(jnp.where(keep, values * w, jnp.zeros_like(values)))
         )
 
     def compute(self) -> RealScalar:

@@ -18,6 +18,7 @@ from ._base import (
     _check_int,
     _check_nan_strategy,
     _div,
+    _kept,
     _nan_policy,
     _weights,
     statistic,
@@ -123,11 +124,13 @@ class MeanStd(Metric):
                 "cannot be negative (as numpy.cov's fweights). For a weighted mean "
                 "with signed weights use Mean.",
             )
-        values, w = _nan_policy("MeanStd", self.nan_strategy, values, w)
+        values, w, keep = _nan_policy(
+            "MeanStd", self.nan_strategy, values, w, _kept(values, mask)
+        )
         zero = jnp.zeros_like(values)
         n = jnp.sum(w)
-        mean = _div(jnp.sum(jnp.where(w != 0, values * w, zero)), n)
-        dev = jnp.where(w != 0, values - mean, zero)
+        mean = _div(jnp.sum(jnp.where(keep, values * w, zero)), n)
+        dev = jnp.where(keep, values - mean, zero)
         m2 = jnp.sum(w * dev * dev)
         self.accumulate(count=n, mean=mean, m2=m2)
 

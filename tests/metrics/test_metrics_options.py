@@ -376,6 +376,35 @@ def test_nan_strategy_propagate_is_numpy():
     assert np.isnan(value(esm.Mean(), "ref", [1.0, 2.0], sample_weight=[1.0, np.nan]))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_of_0_is_not_a_mask_for_nan_and_inf(bad):
+    """A NaN (or inf) value with sample weight 0 makes the weighted mean and sum
+    NaN (`0 * nan`, `0 * inf`), as `numpy.average` (and, for NaN, torchmetrics,
+    whose `"disable"` is our `"propagate"`): only `mask=` leaves a value out. It
+    was dropped, as if masked."""
+    x = np.array([bad, 1.0, 2.0], np.float32)
+    w = np.array([0.0, 1.0, 1.0], np.float32)
+    with np.errstate(invalid="ignore"):
+        want = {esm.Mean: np.average(x, weights=w), esm.Sum: np.sum(x * w)}
+    assert np.isnan(want[esm.Mean]) and np.isnan(want[esm.Sum])
+    unmasked = {esm.Mean: 1.5, esm.Sum: 3.0, esm.MeanStd: 1.5}  # the mean for MeanStd
+    for cls, kept in unmasked.items():
+        got = run(cls(), "value", x, sample_weight=w).compute()
+        assert np.all(np.isnan(got)), cls.__name__
+        masked = run(cls(), "value", x, mask=w != 0).compute()
+        close(masked[0] if cls is esm.MeanStd else masked, kept)
+    if np.isnan(bad):
+        tx, tw = torch.tensor(x), torch.tensor(w)
+        assert np.isnan(ta.MeanMetric(nan_strategy="disable")(tx, tw).item())
+        # "ignore" skips a NaN whatever its weight (as torchmetrics removes it);
+        # "error" refuses it whatever its weight, since it counts
+        close(value(esm.Mean(nan_strategy="ignore"), "value", x, sample_weight=w), 1.5)
+        close(ta.MeanMetric(nan_strategy="ignore")(tx, tw).item(), 1.5)
+        with pytest.raises(Exception, match="nan_strategy='error'"):
+            m = apply_update(esm.Mean(nan_strategy="error"), (x,), {"sample_weight": w})
+            jax.block_until_ready(m.compute())
+
+
 def test_nan_strategy_error_raises_in_every_way_of_running():
     bad, good = jnp.asarray(X_NAN), jnp.array([1.0, 2.0, 3.0, 4.0])
     # eagerly (ref mode): at the call
