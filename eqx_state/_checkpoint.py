@@ -791,19 +791,27 @@ def _parse(name: str, blob: bytes | bytearray) -> list[_Entry]:
             "it is truncated, corrupt, or was written by something else."
         )
     version, header_len = _PREFIX.unpack_from(blob, len(_MAGIC))
+    body_end = len(blob) - _DIGEST
+    signed = hashlib.sha256(memoryview(blob)[:body_end]).digest() == blob[body_end:]
+    if version not in (1, _VERSION) and not signed:  # a flipped bit, no other version
+        # (version 1 files have no whole-file checksum; a newer one would be signed)
+        raise CheckpointError(
+            f"{name} is truncated or corrupt: its bytes do not match the checksum "
+            f"at its end (its format version field reads {version}; this eqx_state "
+            f"writes and reads version {_VERSION})."
+        )
     if version != _VERSION:
         raise CheckpointError(
             f"{name} has checkpoint format version {version}; this eqx_state reads "
             f"version {_VERSION}. (Version 1 files, from eqx_state 0.1 before its "
             "whole-file checksum, must be re-saved with the version that wrote them.)"
         )
-    body_end = len(blob) - _DIGEST
     if header_len > body_end - _FIXED:
         raise CheckpointError(
             f"{name} is truncated or corrupt: its header length ({header_len} bytes) "
             "runs past the end of the file."
         )
-    if hashlib.sha256(memoryview(blob)[:body_end]).digest() != blob[body_end:]:
+    if not signed:
         raise CheckpointError(
             f"{name} is truncated or corrupt: its bytes do not match the checksum "
             "at its end."

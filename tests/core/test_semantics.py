@@ -349,6 +349,20 @@ def test_a_map_over_every_leaf_gives_one_clear_error(runner):
         runs[runner](model)
 
 
+def test_jax_jit_over_a_whole_model_names_filter_jit():
+    """`jax.jit` over the whole model traces its Python `inference` flag: the error
+    names that cause and its fixes, not a NumPy bool or a tree map alone."""
+    x = jnp.ones((4, 3))
+    for fn in (
+        jax.jit(lambda m, x: m(x)),
+        jax.jit(lambda m, x: es.apply(lambda m, x: m(x), m, x)),
+    ):
+        with pytest.raises(
+            TypeError, match=r"traced bool.*`jax\.jit`.*eqx\.filter_jit"
+        ):
+            fn(es.to_refs(es.nn.BatchNorm(3)), x)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_deepcopy_gives_an_independent_model(mode):
     """A target network built with `copy.deepcopy` is its own model: drawing from the

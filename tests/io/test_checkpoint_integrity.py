@@ -117,8 +117,14 @@ def test_every_header_length_and_version_is_handled():
         with pytest.raises(es.CheckpointError):
             load_bytes(body + hashlib.sha256(body).digest())
     for v in (0, 1, 3, 2**32 - 1):
-        with pytest.raises(es.CheckpointError, match=f"format version {v}"):
+        with pytest.raises(es.CheckpointError, match=f"format version {v};"):
             load_bytes(signed(header, payload, version=v))
+    # a bit flipped in the version field of a version-2 file is corruption (the
+    # checksum says so), not a file of another version
+    for bit in range(32):
+        body = b"EQXSTATE" + struct.pack("<IQ", 2 ^ (1 << bit), len(header))
+        with pytest.raises(es.CheckpointError, match="corrupt.*version field reads"):
+            load_bytes(body + header + payload + split(blob)[3])
 
 
 @settings(max_examples=200, deadline=None)
