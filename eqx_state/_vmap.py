@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
 from ._compat import is_batched
-from ._errors import StateError, StateValueError, StateWriteError
+from ._errors import StateError, StateValueError, StateWriteError, is_whole
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
@@ -94,6 +94,15 @@ def vmap(
             raise StateValueError(
                 f"es.vmap: in_axes has {len(axes)} entries for {len(args)} arguments."
             )
+        for i, ax in enumerate(axes):
+            if ax is not None and not is_whole(ax):
+                raise StateValueError(
+                    f"es.vmap: in_axes entry {i} is {ax!r}; es.vmap maps each "
+                    "argument as a whole, so an entry is an int or None (not a pytree "
+                    "of axes, as `jax.vmap` also takes). Move the mapped axis of every "
+                    "array of that argument to one position (`jnp.moveaxis`), or pass "
+                    "its mapped and unmapped parts as separate arguments."
+                )
         size = axis_size
         if size is None:
             for a, ax in zip(args, axes):

@@ -220,9 +220,8 @@ class Dropout(_LayerBase):
     `axis_name=name`: each example's mask then comes from its own key
     (`fold_in(key, axis_index)`), and the stream advances once per call. Under a
     plain `jax.vmap` a single stream would give every example the same mask; this
-    raises a [`eqx_state.StateWriteError`][] that names the fixes. (Under
-    `eqx_state.vmap` *without* `axis_name`, every example reads the same key and so
-    gets the same mask: pass `axis_name`.)
+    raises a [`eqx_state.StateWriteError`][] that names the fixes, and so does a
+    layer built without `axis_name` called under `eqx_state.vmap`.
 
     **Arguments:**
 

@@ -153,6 +153,21 @@ def test_nested_dropout_must_name_every_axis():
     assert len({m.tobytes() for m in masks}) == 6
 
 
+def test_dropout_without_axis_name_under_es_vmap_is_refused():
+    """As its docstring says: one key for every example would give them one mask."""
+    drop = es.to_refs(es.nn.Dropout(0.5, key=3))
+    with pytest.raises(es.StateWriteError, match="without `axis_name`"):
+        es.vmap(drop, axis_name="batch")(jnp.ones((6, 4)))
+
+
+def test_a_pytree_of_in_axes_is_refused_naming_the_limit():
+    """`jax.vmap` takes a pytree of axes per argument; es.vmap an int or None (it
+    failed with a bare `int()` TypeError)."""
+    f = es.vmap(lambda m, d: m(d["x"]), in_axes=(None, {"x": 0}), axis_name="b")
+    with pytest.raises(ValueError, match=r"in_axes entry 1 is \{'x': 0\}.*int or None"):
+        f(es.to_refs(es.nn.BatchNorm(4, axis_name="b")), {"x": jnp.ones((6, 4))})
+
+
 def test_nested_record_dead_fraction_with_a_tuple_axis_equals_numpy():
     x = jax.random.normal(jax.random.key(1), (2, 4, 5)).at[..., 0].set(-1.0)
     rec = es.nn.Record("dead_fraction", "mean", axis_name=("o", "i"))
