@@ -23,10 +23,6 @@ import pytest
 import eqx_state as es
 
 
-# Both storage modes in the default run: the runners' agreement is issue 23's test
-# (elsewhere a mode-parametrised case runs in one mode by default: tests/conftest.py).
-pytestmark = pytest.mark.both_modes
-
 K = 3
 
 

@@ -45,6 +45,7 @@ def _params():
 # The default run checks each (layer, transformation) pair in one of the two modes,
 # alternating like a chessboard (every layer and every transformation meets both
 # modes), and the slow run the other: tests/conftest.py, `_split_storage_modes`.
+@pytest.mark.split_modes
 @pytest.mark.parametrize("case, column, mode", _params())
 def test_cell(case, column, mode):
     M.run_cell(case, column, mode)

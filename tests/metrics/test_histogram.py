@@ -18,9 +18,10 @@ from eqx_state.metrics import _histogram
 
 
 # The same arithmetic in both modes: each case runs in one of them by default and in
-# the other with the slow cases (tests/conftest.py, `_split_storage_modes`); ref
+# the other with the slow cases (`split_modes`: tests/conftest.py); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
 MODES = ["value", "ref"]
+pytestmark = pytest.mark.split_modes
 N = 96  # values per draw (padded with NaN, in no count): one shape per dtype
 SETTINGS = settings(
     max_examples=10,
