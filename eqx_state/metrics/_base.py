@@ -195,7 +195,7 @@ def _kept(like: Array, mask: Any) -> Array:
     one). The mask, not a weight of 0, leaves an element out: a NaN value with
     weight 0 still makes a weighted sum NaN (`0 * nan`), as in `numpy.average`."""
     if mask is None:
-        return jnp.ones(like.shape, dtype=bool)
+        return jnp.ones_like(like, dtype=bool)  # with `like`'s sharding
     return _fit("mask", _truthy(mask), like.shape)
 
 
@@ -207,7 +207,7 @@ def _weights(like: Array, mask: Any, sample_weight: Any, dtype: Any) -> Array:
         sw = jnp.asarray(sample_weight).astype(dtype)
         w = w * _fit("sample_weight", sw, like.shape)
     if mask is not None:
-        w = jnp.where(_fit("mask", _truthy(mask), like.shape), w, jnp.zeros_like(w))
+        w = jnp.where(_kept(like, mask), w, jnp.zeros_like(w))
     return w
 
 
