@@ -86,8 +86,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a file is kept
 
 
-# The storage mode of a parametrised case: `mode` ("value"/"ref") or `ref_mode`.
-_MODE_PARAMS = {"mode": ("value", "ref"), "ref_mode": (False, True)}
+_MODES = ("value", "ref")  # the `mode` parameter of a storage-mode parametrisation
 
 
 def _split_storage_modes(items) -> None:
@@ -106,28 +105,25 @@ def _split_storage_modes(items) -> None:
     without it: the second mode mostly reuses the first's compiled programs from
     the run's compilation cache), so the others run both modes.
     `tests/multidevice` has its own split (`tests/distributed/test_multidevice.py`).
+    A marked test whose `mode` is not one of `_MODES` is a collection error.
     """
     tests: dict = {}
     for item in items:
         spec = getattr(item, "callspec", None)
-        if spec is None or "multidevice" in item.path.parts:
+        if spec is None or "mode" not in spec.params:
+            continue  # not parametrised over the mode (a file's other tests)
+        if not item.get_closest_marker("split_modes"):
             continue
-        names = [
-            n
-            for n in _MODE_PARAMS
-            if n in spec.params and spec.params[n] in _MODE_PARAMS[n]
-        ]
-        if len(names) != 1 or not item.get_closest_marker("split_modes"):
-            continue
+        assert spec.params["mode"] in _MODES, f"{item.nodeid}: not a storage mode"
         fn = (item.path, item.originalname)
-        tests.setdefault(item.path, {}).setdefault(fn, []).append((item, names[0]))
+        tests.setdefault(item.path, {}).setdefault(fn, []).append(item)
     for functions in tests.values():
         for ordinal, cases in enumerate(functions.values()):
             seen: dict[str, list] = {}
-            for item, name in cases:
-                index = ordinal + _MODE_PARAMS[name].index(item.callspec.params[name])
+            for item in cases:
+                index = ordinal + _MODES.index(item.callspec.params["mode"])
                 for param, value in item.callspec.params.items():
-                    if param != name:
+                    if param != "mode":
                         values = seen.setdefault(param, [])
                         key = repr(value)
                         if key not in values:

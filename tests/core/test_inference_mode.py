@@ -225,8 +225,17 @@ def test_a_numpy_bool_flag_gives_one_answer_on_every_path():
         by_numpy = runs(es.inference_mode(es.nn.BatchNorm(3), flag))
         by_python = runs(es.inference_mode(es.nn.BatchNorm(3), bool(flag)))
         assert es.inference_mode(es.nn.BatchNorm(3), flag).inference is bool(flag)
-        for name, run in by_numpy.items():
-            np.testing.assert_array_equal(run(), by_python[name](), err_msg=name)
+        got = {name: run() for name, run in by_numpy.items()}  # each model once
+        for name, run in by_python.items():
+            np.testing.assert_array_equal(got[name], run(), err_msg=name)
+        # and the program is the one the flag says (float64 NumPy): evaluation
+        # normalises with the initial running statistics (0, 1), training with the
+        # batch's (biased variance)
+        x64 = np.asarray(x, np.float64)
+        mean, var = (0.0, 1.0) if flag else (x64.mean(0), x64.var(0))
+        np.testing.assert_allclose(
+            got["es.apply"], (x64 - mean) / np.sqrt(var + 1e-5), rtol=1e-5, atol=1e-6
+        )
         for run in runs(eqx.nn.inference_mode(es.nn.BatchNorm(3), flag)).values():
             with pytest.raises(TypeError, match=r"NumPy bool.*`bool\(flag\)`"):
                 run()
