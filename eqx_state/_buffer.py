@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed
-from ._errors import StaleModelError, StateError, StateWriteError, stale_message
+from ._errors import (
+    StaleModelError,
+    StateError,
+    StateIndexError,
+    StateTypeError,
+    StateWriteError,
+    is_whole,
+    stale_message,
+)
 
 
 REF_KIND = "no_grad_no_remat"
@@ -162,6 +170,8 @@ class Buffer(eqx.Module):
             _check_ref(self)
         else:
             check_live(v, describe(self))
+        if idx is not Ellipsis:
+            index_shape(self, idx)
         return v[idx]
 
     def __setitem__(self, idx: Any, new: Any) -> None:
@@ -173,7 +183,10 @@ class BatchStat(Buffer):
 
 
 class CounterState(Buffer):
-    """An integer count (step counters, `num_batches_tracked`)."""
+    """An integer count (an [`eqx_state.nn.Counter`][]'s). BatchNorm's
+    `num_batches_tracked` is a [`eqx_state.BatchStat`][], not a count of this kind:
+    resetting the batch statistics resets it too, as PyTorch's
+    `reset_running_stats` does."""
 
 
 class MetricState(Buffer):
@@ -312,13 +325,23 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         )
     _check_ref(buf)
     new = _cast_for(buf, jnp.asarray(new))
-    if idx is Ellipsis and tuple(new.shape) != tuple(cell.shape):
-        raise StateWriteError(
-            f"Cannot write a value of shape {tuple(new.shape)} into the "
-            f"{describe(buf)}: a whole-cell write `buf[...] = v` needs the same shape "
-            "(no broadcasting). Reshape the value, or write part of the cell with an "
-            "index, e.g. `buf[i] = row`."
-        )
+    if idx is Ellipsis:
+        if tuple(new.shape) != tuple(cell.shape):
+            raise StateWriteError(
+                f"Cannot write a value of shape {tuple(new.shape)} into the "
+                f"{describe(buf)}: a whole-cell write `buf[...] = v` needs the same "
+                "shape (no broadcasting). Reshape the value, or write part of the "
+                "cell with an index, e.g. `buf[i] = row`."
+            )
+    else:
+        part = index_shape(buf, idx)
+        if part is not None and tuple(new.shape) != part:
+            raise StateWriteError(
+                f"Cannot write a value of shape {tuple(new.shape)} into "
+                f"`[{_index_repr(idx)}]` of the {describe(buf)}: that part has shape "
+                f"{part}, and a write needs the same shape (no broadcasting). "
+                "Reshape or broadcast the value first (`jnp.broadcast_to(v, shape)`)."
+            )
     try:
         cell[idx] = jax.lax.stop_gradient(new)
     except Exception as e:
@@ -355,8 +378,91 @@ def _unbatched_advice(buf: Buffer | str) -> str:
         "`eqx_state.vmap(model, axis_name=...)` (with layers that reduce over that "
         "axis, e.g. `BatchNorm(..., axis_name=...)`), call the layer on the whole "
         "batch instead, or vmap over an ensemble of models whose state has the same "
-        "leading axis (`eqx.filter_vmap` of the step)."
+        "leading axis (`eqx.filter_vmap` of the step). (`jax.jacfwd` and "
+        "`jax.hessian` map with `vmap` too: differentiate a function that writes "
+        "state with `jax.jacrev`, or keep the write out of the differentiated "
+        "function.)"
     )
+
+
+def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
+    """The shape of `buf[idx]` by NumPy's indexing rules, which a cell follows for
+    the parts of an index known while tracing: an integer out of its axis's range
+    raises a `StateIndexError` (JAX's arrays clamp such a read and drop such a
+    write; a ref would land it in another slot); a float, a boolean or `None` (a
+    ref takes neither) a `StateTypeError`. Integer arrays that are traced are
+    checked for their shape only. `None` when the index holds parts NumPy cannot
+    stand in for (a traced slice bound, another indexer type): JAX then has the
+    last word."""
+    parts = idx if isinstance(idx, tuple) else (idx,)
+    probe: list[Any] = []
+    for p in parts:
+        if (
+            p is None
+            or isinstance(p, bool | np.bool_)
+            or (hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.bool_))
+        ):
+            # a ref takes neither (it reads a boolean mask as the integers 0 and 1)
+            raise StateTypeError(
+                f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: a "
+                "cell takes integers, slices, `...` and integer arrays, not `None` "
+                "(a new axis: index, then add it, `cell[i][None]`) or booleans (a "
+                "mask: `cell[...] = jnp.where(mask, new, cell[...])`)."
+            )
+        if p is Ellipsis or is_whole(p):
+            probe.append(p)
+        elif isinstance(p, slice):
+            if any(isinstance(b, Tracer) for b in (p.start, p.stop, p.step)):
+                return None
+            probe.append(p)
+        elif isinstance(p, float | complex) or (
+            hasattr(p, "dtype")
+            and not jnp.issubdtype(p.dtype, jnp.integer)
+            and not jnp.issubdtype(p.dtype, jnp.bool_)
+        ):
+            raise StateTypeError(
+                f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
+                "indices are integers, slices, `...` or integer arrays "
+                f"(got {type(p).__name__}"
+                + (
+                    f" of dtype {getattr(p, 'dtype', '')}"
+                    if hasattr(p, "dtype")
+                    else ""
+                )
+                + "). Convert it, e.g. `i.astype(jnp.int32)`."
+            )
+        elif hasattr(p, "dtype"):  # an integer array (or scalar)
+            # a traced index stands in by its shape (every position in range)
+            probe.append(
+                np.zeros(p.shape, np.intp) if isinstance(p, Tracer) else np.asarray(p)
+            )
+        else:
+            return None
+    # a view of the cell's shape that holds no memory
+    view = np.broadcast_to(np.zeros((), np.bool_), tuple(buf.value.shape))
+    try:
+        return tuple(view[tuple(probe)].shape)
+    except IndexError as e:
+        raise StateIndexError(
+            f"Index `[{_index_repr(idx)}]` does not fit the {describe(buf)}: {e}. A "
+            "cell refuses an index out of range as NumPy and PyTorch do (an integer "
+            "index of an axis of length n lies in [-n, n))."
+        ) from None
+
+
+def _index_repr(idx: Any) -> str:
+    parts = idx if isinstance(idx, tuple) else (idx,)
+
+    def one(p: Any) -> str:
+        if p is Ellipsis:
+            return "..."
+        if isinstance(p, slice):
+            return ":".join("" if b is None else repr(b) for b in (p.start, p.stop))
+        if isinstance(p, jax.Array | np.ndarray) and p.ndim:
+            return f"<{p.dtype} array {tuple(p.shape)}>"
+        return repr(p)
+
+    return ", ".join(map(one, parts))
 
 
 def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:

@@ -97,6 +97,11 @@ class StateWriteError(StateError, ValueError):
     `jax.Ref`, so `except ValueError` around ref writes keeps working."""
 
 
+class StateIndexError(StateError, IndexError):
+    """An index that does not fit a cell (an integer out of its axis's range), as
+    NumPy refuses it; an `IndexError`."""
+
+
 class StaleModelError(StateError):
     """A model (or optimizer state) whose buffers were donated to an earlier step."""
 

@@ -118,6 +118,132 @@ def test_wrong_shape_or_dtype_write():
     np.testing.assert_array_equal(cell[...], [1.0, 5.0, 1.0])
 
 
+# Indices a cell takes, and what NumPy does with them on a (3, 4) array: the
+# reference for a cell's indexing (JAX's arrays clamp an out-of-range read and drop
+# such a write; a ref lands it in another slot).
+_INDICES = [
+    1,
+    -1,
+    (2, -4),
+    (slice(0, 2), 3),
+    (Ellipsis, 1),
+    np.array([0, 2]),
+    (np.array([0, 2]), np.array([1, 3])),
+    (slice(None), jnp.array([3, 0])),
+    np.int64(2),
+    -4,
+    3,
+    (0, 4),
+    (1, -5),
+    np.array([0, 3]),
+]
+
+
+@pytest.mark.parametrize("where", ["ref mode", "es.apply", "make_apply"])
+@pytest.mark.parametrize("idx", _INDICES, ids=repr)
+def test_indexed_reads_and_writes_follow_numpy(idx, where):
+    start = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    want = start.copy()
+    try:
+        part = np.array(want[idx])  # a copy, not a view
+    except IndexError:
+        part = None  # NumPy refuses the index: so must the cell, on read and write
+    new = (
+        None
+        if part is None
+        else -np.arange(part.size, dtype=np.float32).reshape(part.shape)
+    )
+    if part is not None:
+        want[idx] = new
+
+    def rw(cell):
+        read = cell[idx]
+        cell[idx] = jnp.asarray(new)
+        return read
+
+    cell = es.Buffer(jnp.asarray(start))
+    if where == "ref mode":
+        cell = es.to_refs(cell)
+        run = lambda: (rw(cell), cell)  # noqa: E731
+    elif where == "es.apply":
+        run = lambda: es.apply(rw, cell)  # noqa: E731
+    else:
+        run = lambda: es.make_apply(rw)(cell)  # noqa: E731
+    if part is None:
+        with pytest.raises(IndexError, match=r"out of bounds.*\[-n, n\)") as info:
+            run()
+        assert isinstance(info.value, es.EqxStateError)
+        if where == "ref mode":
+            np.testing.assert_array_equal(cell[...], start)  # nothing written
+        return
+    read, cell = run()
+    np.testing.assert_array_equal(read, part)
+    np.testing.assert_array_equal(cell[...], want)
+
+
+@pytest.mark.parametrize(
+    "idx, hint",
+    [
+        # NumPy and `jnp` refuse a float index; a ref would truncate it to a slot
+        (1.5, "astype"),
+        ((0, 2.0), "astype"),
+        (np.array([0.0, 1.0]), "astype"),
+        # a ref reads a mask as the slots 0 and 1, and refuses a new axis
+        (np.array([True, False, True]), "jnp.where"),
+        (jnp.array([True, False, True]), "jnp.where"),
+        (True, "jnp.where"),
+        ((None, 0), r"cell\[i\]\[None\]"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_an_index_a_ref_cannot_take_is_refused_on_read_and_write(idx, hint, mode):
+    cell = es.Buffer(jnp.zeros((3, 4)))
+    if mode == "ref":
+        cell = es.to_refs(cell)
+    with pytest.raises(TypeError, match=hint) as info:
+        cell[idx]
+    assert isinstance(info.value, es.EqxStateError)
+    write = lambda c: c.__setitem__(idx, jnp.ones(()))  # noqa: E731
+    with pytest.raises(TypeError, match=hint):
+        write(cell) if mode == "ref" else es.apply(write, cell)
+    np.testing.assert_array_equal(cell[...], np.zeros((3, 4)))
+
+
+def test_an_indexed_write_of_another_shape_names_the_part_and_the_cell():
+    cell = es.to_refs(es.Buffer(jnp.zeros((3, 2))))
+    for idx, value, part in [
+        (0, jnp.ones(4), r"\(2,\)"),
+        (slice(0, 2), jnp.ones(2), r"\(2, 2\)"),
+        (slice(0, 2), 1.0, r"\(2, 2\)"),  # no broadcasting, as for `cell[...]`
+    ]:
+        with pytest.raises(es.StateWriteError, match=f"that part has shape {part}"):
+            cell[idx] = value
+    np.testing.assert_array_equal(cell[...], np.zeros((3, 2)))
+    # inside a call, the message names the cell's path
+    bn = es.nn.BatchNorm(3)
+    with pytest.raises(es.StateWriteError, match="running_mean"):
+        es.apply(lambda m: m.running_mean.__setitem__(0, jnp.ones(2)), bn)
+
+
+def test_a_traced_integer_index_is_checked_for_its_shape_only():
+    """A traced index's values are unknown while tracing: JAX has the last word on
+    them; its shape still fixes the part's shape."""
+    cell = es.Buffer(jnp.arange(4.0))
+
+    def f(c, i):
+        c[i] = c[i] * 10.0
+        return c[i]
+
+    out, cell = es.make_apply(f)(cell, jnp.array([1, 3]))
+    np.testing.assert_array_equal(out, [10.0, 30.0])
+    np.testing.assert_array_equal(cell[...], [0.0, 10.0, 2.0, 30.0])
+    with pytest.raises(es.StateWriteError, match=r"that part has shape \(2,\)"):
+        es.make_apply(lambda c, i: c.__setitem__(i, jnp.ones(3)))(
+            cell, jnp.array([0, 1])
+        )
+
+
 def test_stale_model_after_donation_names_donate_false():
     model = es.nn.BatchNorm(3)
     step = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.adam(1e-3))
@@ -144,6 +270,9 @@ def test_vmap_of_unbatched_ref_write_is_a_clear_error():
     xs = jnp.ones((2, 4, 3))
     with pytest.raises(es.StateWriteError, match="inside `jax.vmap`"):
         jax.vmap(lambda x: bn(x))(xs)
+    # `jacfwd` maps with `vmap` too: the message says so and names `jacrev`
+    with pytest.raises(es.StateWriteError, match=r"`jax\.jacfwd`.*`jax\.jacrev`"):
+        jax.jacfwd(lambda x: bn(x).sum())(xs[0])
 
 
 def test_loss_must_be_scalar_and_aux_a_pair():
@@ -155,6 +284,15 @@ def test_loss_must_be_scalar_and_aux_a_pair():
     step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1), has_aux=True)
     with pytest.raises(es.StepError, match=r"return a pair `\(loss, aux\)`"):
         step(model, step.init(model), x)
+    # `(loss, aux)` without `has_aux=True`: a tracer-conversion error from
+    # `jnp.shape` of the pair, with no word of `has_aux`
+    step = es.make_step(lambda m, x: (jnp.sum(m(x)), {"n": 1.0}), optax.sgd(0.1))
+    with pytest.raises(es.StepError, match=r"got a tuple of 2.*`has_aux=True`"):
+        step(model, step.init(model), x)
+    step = es.make_step(lambda m, x: {"loss": jnp.sum(m(x))}, optax.sgd(0.1))
+    with pytest.raises(es.StepError, match=r"scalar loss, got a dict\.\n"):
+        step(model, step.init(model), x)
+    assert int(model.num_batches_tracked[...]) == 0  # the model is intact
 
 
 def test_one_parameter_array_at_two_places_is_two_parameters():
