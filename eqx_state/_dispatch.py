@@ -38,12 +38,14 @@ import numpy as np
 
 from ._buffer import _is_ref, is_state, unbatched_message
 from ._compat import (
+    REF_TYPES,
     Tracer,
     equinox_runtime_error,
     is_batched,
     is_concrete_ref,
     is_deleted_array_error,
     ref_buffer,
+    ref_is_consumed,
     set_ref_buffer,
     under_trace,
 )
@@ -781,7 +783,12 @@ def _named(sig: _Signature, leaves: list, positions: list[int], shown: int = 3) 
     """The one way error messages list leaves of a call: by path (`model...`,
     `opt_state...`, `args[i]...`; a cell by its own path, without `.value`), the
     first `shown` of them and how many more."""
-    names = _leaf_names(sig.unflatten(leaves), positions[:shown])
+    return _named_in(sig.unflatten(leaves), positions, shown)
+
+
+def _named_in(tree: tuple, positions: list[int], shown: int = 3) -> str:
+    """`_named` of the leaves of `(carry, args, kwargs)` at `positions`."""
+    names = _leaf_names(tree, positions[:shown])
     names = [n.replace(".value`", "`") for n in names]
     more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
     return f"{', '.join(names)}{more}"
@@ -844,14 +851,35 @@ def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
             ) from e
         n_model = sig.carry_treedef.children()[0].num_leaves
         owners = {i < n_model for i in deleted if i < sig.n_carry}
-        what = " and ".join(
-            w
-            for w, own in (("model", True), ("optimizer state", False))
-            if own in owners
-        )
-        raise StaleModelError(f"{stale_message(what)} Consumed: {where}.") from e
+        raise _stale_carry(where, owners) from e
     if deleted:  # the program failed after its inputs were donated to it
         e.add_note(_CONSUMED_NOTE)
+
+
+def _stale_carry(where: str, owners: set[bool]) -> StaleModelError:
+    """The one error for a carry (model: True, optimizer state: False, in
+    `owners`) that an earlier call consumed, naming the consumed leaves (`where`)."""
+    what = " and ".join(
+        w for w, own in (("model", True), ("optimizer state", False)) if own in owners
+    )
+    return StaleModelError(f"{stale_message(what)} Consumed: {where}.")
+
+
+def check_carry_live(carry: tuple) -> None:
+    """Before a loop takes over `(model, opt_state)` (`step.own`): the error a
+    compiled call gives for a consumed carry, rather than one at the loop's first
+    call and a dead carry back from `release()`."""
+    leaves = jax.tree_util.tree_leaves(carry)
+    deleted = [
+        i
+        for i, x in enumerate(leaves)
+        if (isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted())
+        or (isinstance(x, REF_TYPES) and ref_is_consumed(x))
+    ]
+    if deleted:
+        n_model = len(jax.tree_util.tree_leaves(carry[0]))
+        where = _named_in((carry, (), {}), deleted)
+        raise _stale_carry(where, {i < n_model for i in deleted})
 
 
 _CONSUMED_NOTE = (

@@ -24,7 +24,7 @@ from ._modes import with_witnesses, without_witnesses
 
 
 def _where(path: Any) -> str:
-    return jax.tree_util.keystr(path)
+    return jax.tree_util.keystr(path) or "the root (the tree is one leaf)"
 
 
 def _saveable(path: Any, x: Any) -> Any:
@@ -240,6 +240,7 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         return like  # not saved: Python values come from `like`
     if _is_python_scalar(like):
         return type(like)(np.asarray(got).item())  # pyright: ignore[reportCallIssue]
+    _check_restored(path, like, got)
     if isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too
@@ -254,6 +255,31 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
     return got
 
 
+def _check_restored(path: Any, like: Any, got: Any) -> None:
+    """What Orbax restored at `path` has `like`'s shape and dtype (Orbax restores
+    what the checkpoint holds where the target does not say otherwise): a
+    `CheckpointError` naming the leaf if not. A NumPy leaf that
+    `eqx.filter_eval_shape` describes with JAX's canonical dtype (int64 as int32)
+    fits it, as `orbax_target` allows."""
+    want_shape, want_dtype = tuple(np.shape(like)), like.dtype
+    got_shape, got_dtype = tuple(np.shape(got)), getattr(got, "dtype", None)
+    if got_shape == want_shape and (
+        got_dtype == want_dtype
+        or (
+            isinstance(got_dtype, np.dtype)
+            and jax.dtypes.canonicalize_dtype(got_dtype) == want_dtype
+        )
+    ):
+        return
+    raise CheckpointError(
+        f"At {_where(path)} Orbax restored {got_dtype}{got_shape} "
+        f"but `like` holds {want_dtype}{want_shape}: restore with "
+        "`StandardRestore(es.orbax_target(like, metadata))`, which checks the "
+        "checkpoint against `like` and tells Orbax the shapes and dtypes to restore, "
+        "and pass the same `like` here."
+    )
+
+
 def from_orbax(restored: Any, like: Any) -> Any:
     """Rebuild the model (or any tree) that [`eqx_state.to_orbax`][] saved, from what
     Orbax's `StandardRestore` returned.
@@ -263,7 +289,10 @@ def from_orbax(restored: Any, like: Any) -> Any:
     rule of [`eqx_state.load`][]: as `like`'s leaf, a NumPy scalar or array, and
     where it is a `jax.ShapeDtypeStruct`, a 0-d value as a NumPy scalar; weakly
     typed arrays of `like` come back weakly typed; Python values that were not saved
-    (activation functions, flags' static parts) come from `like`.
+    (activation functions, flags' static parts) come from `like`. Each restored
+    array must have the shape and dtype of its `like` leaf (it does when restored
+    with [`eqx_state.orbax_target`][]); a [`eqx_state.CheckpointError`][] names the
+    first that does not.
 
     **Arguments:**
 

@@ -15,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells
@@ -109,19 +110,23 @@ def refuse_cells_out(out: Any, thawed: Any, what: str) -> None:
 
 @contextlib.contextmanager
 def _cond_note() -> Iterator[None]:
-    """JAX refuses to `vmap` a `lax.cond` (or `switch`) whose predicate is batched
-    when a branch writes state, with a bare `NotImplementedError`; add the fix to
+    """JAX refuses a `lax.cond` (or `switch`) whose branch writes state in two
+    cases, with a bare `NotImplementedError`: under `vmap` with a batched predicate,
+    and under differentiation inside a loop (`scan`, `fori_loop`); add the fix to
     it (it is kept as it is, so nothing is hidden)."""
     try:
         yield
     except NotImplementedError as e:
         e.add_note(
-            "eqx_state: if this comes from `lax.cond` / `lax.switch` under `vmap` "
-            "with a predicate that differs between examples or ensemble members, "
-            "and a branch writes state: JAX cannot batch a branch with state "
-            "effects. Compute both values and write once, unconditionally: "
-            "`cell[...] = jnp.where(pred, new, cell[...])` (or `lax.select`); or "
-            "call the layer outside the `cond`."
+            "eqx_state: if a branch of a `lax.cond` / `lax.switch` writes state "
+            "(calls a layer that updates a cell), JAX cannot run it in two cases: "
+            "under `vmap` with a predicate that differs between examples or "
+            "ensemble members, and inside a `lax.scan` / `fori_loop` body of a "
+            "differentiated loss (a step's `loss_fn`). Compute both values and "
+            "write once, unconditionally: `cell[...] = jnp.where(pred, new, "
+            "cell[...])` (or `lax.select`); or call the layer outside the `cond` "
+            "(e.g. `y = layer(x)` before it, then `jnp.where(pred, y, x)`), or "
+            "outside the loop."
         )
         raise
 
@@ -206,6 +211,19 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
         value, aux = out
     else:
         value, aux = out, None
+    if not isinstance(value, jax.Array | np.ndarray | np.generic | float | int):
+        # a tuple, list or dict: `jnp.shape` would try to convert it to one array
+        raise StepError(
+            "`loss_fn` must return a scalar loss"
+            + (" as the first element of `(loss, aux)`" if has_aux else "")
+            + f", got a {type(value).__name__}"
+            + (
+                f" of {len(value)}. If it returns `(loss, aux)`, pass "
+                "`has_aux=True` to `make_step`."
+                if isinstance(value, tuple | list) and not has_aux
+                else "."
+            )
+        )
     if jnp.shape(value) != ():
         raise StepError(
             "`loss_fn` must return a scalar loss"
@@ -222,7 +240,7 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
             + (", or return it as `aux`" if not has_aux else "")
             + "."
         )
-    return value, aux
+    return value, aux  # pyright: ignore[reportReturnType]  (a scalar, checked above)
 
 
 def _accumulate(grad_fn, diff, args, kwargs, k: int):

@@ -252,11 +252,12 @@ def _checked(
             x = np.asarray(x).astype(dtype)
         else:
             fix = (
-                "cast the state dict first, e.g. "
-                f"`{{k: v.to(torch.{dtype.name}) for k, v in sd.items()}}` for torch "
-                f"tensors or `v.astype(np.{dtype.name})`, or build the model with "
-                f"dtype={have.name}"
+                f"cast that entry first, e.g. `sd[{name!r}] = sd[{name!r}]"
+                f".to(torch.{dtype.name})` for a torch tensor or "
+                f"`.astype(np.{dtype.name})`"
             )
+            if floats:  # a precision that the whole model could be built in
+                fix += f", or build the model with dtype={have.name}"
             if ints:
                 fix = f"its values do not fit in {dtype.name}"
             raise StateTypeError(

@@ -15,7 +15,13 @@ import numpy as np
 import optax
 
 from ._buffer import is_state
-from ._dispatch import Compiled, Owned, all_but_witnesses, cells_only
+from ._dispatch import (
+    Compiled,
+    Owned,
+    all_but_witnesses,
+    cells_only,
+    check_carry_live,
+)
 from ._errors import ReadOnlyError, StateTypeError, StateValueError, is_whole
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, Placement, layout_rule, place, place_carry
@@ -301,6 +307,7 @@ class Step:
         assert int(bn.num_batches_tracked[...]) == 5
         ```
         """
+        check_carry_live((model, opt_state))  # as a step call would say it
         return OwnedLoop(self, Owned(self._compiled, (model, opt_state)))
 
     def _extras(self, loss: Any, aux: Any) -> Any:
@@ -638,6 +645,7 @@ def apply(
     assert int(bn.num_batches_tracked[...]) == 1
     ```
     """
+    check_options("eqx_state.apply", fn, None, 1)  # as `make_apply` checks it
     return apply_call(fn, model, args, kwargs)
 
 

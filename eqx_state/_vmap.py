@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
 from ._compat import is_batched
 from ._errors import StateError, StateValueError, StateWriteError, is_whole
+from ._modes import path_str
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
@@ -104,12 +105,31 @@ def vmap(
                     "its mapped and unmapped parts as separate arguments."
                 )
         size = axis_size
-        if size is None:
-            for a, ax in zip(args, axes):
-                leaves = jax.tree_util.tree_leaves(a)
-                if ax is not None and leaves:
-                    size = int(jnp.shape(leaves[0])[int(ax)])
-                    break
+        for i, (a, ax) in enumerate(zip(args, axes)):
+            if ax is None:
+                continue
+            for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+                shape = jnp.shape(leaf)
+                where = f"argument {i}" + (f" at {path_str(path)}" if path else "")
+                if not -len(shape) <= ax < len(shape):
+                    raise StateValueError(
+                        f"es.vmap: in_axes entry {i} is {ax}, but {where} has shape "
+                        f"{shape}, with no axis {ax} to map. Give that argument's "
+                        "mapped axis, or `None` to pass it whole to every example."
+                    )
+                if size is None:
+                    size = int(shape[ax])
+                elif shape[ax] != size:
+                    raise StateValueError(
+                        f"es.vmap: {where} has {shape[ax]} examples along its mapped "
+                        f"axis {ax}, but "
+                        + (
+                            f"`axis_size` is {size}"
+                            if axis_size is not None
+                            else f"an earlier mapped array has {size}"
+                        )
+                        + ": every mapped array needs the same number."
+                    )
         if size is None:
             raise StateValueError("es.vmap: no mapped argument; pass `axis_size=`.")
         # `fn` and the unmapped arguments are searched for ref cells

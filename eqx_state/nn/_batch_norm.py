@@ -14,7 +14,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 from .._buffer import BatchStat, _LayerBase, layer_path
 from .._errors import StateTypeError, StateValueError, is_whole
 from ._axis import axis_size
-from ._complex import refuse_complex
+from ._complex import refuse_complex, refuse_non_array
 from ._flag import inference_flag
 
 
@@ -210,6 +210,7 @@ class BatchNorm(_LayerBase):
         return self.running_mean is not None
 
     def _check(self, x: Array) -> int:
+        refuse_non_array("BatchNorm", x)
         if x.ndim < 1:
             raise StateValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."

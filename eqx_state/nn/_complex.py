@@ -1,4 +1,5 @@
-"""The one refusal of complex input by the layers that keep real state."""
+"""The layers' refusals of input they cannot take: complex values where the state is
+real, and what is not an array."""
 
 from __future__ import annotations
 
@@ -19,4 +20,14 @@ def refuse_complex(where: str, dtype: Any, why: str, fix: str) -> None:
             f"{where} does not support complex input (got {jnp.dtype(dtype).name}): "
             f"{why}, and a cast to a real dtype would silently drop the imaginary "
             f"parts. {fix}"
+        )
+
+
+def refuse_non_array(where: str, x: Any) -> None:
+    """Raise `StateTypeError` if `x` is not an array (a list, a nested tuple):
+    `where`'s checks read its shape and dtype, as `jnp` functions refuse a list."""
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise StateTypeError(
+            f"{where} expects a JAX or NumPy array, got {type(x).__name__}. Convert "
+            "it first, e.g. `jnp.asarray(x)`."
         )

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._buffer import CounterState, _LayerBase
-from .._errors import StateTypeError
+from .._errors import StateTypeError, StateValueError, is_whole
 from ._flag import inference_flag
 
 
@@ -18,8 +18,11 @@ class Counter(_LayerBase):
 
     **Arguments:**
 
-    - `start`: the initial count (also what `es.reset` writes back).
-    - `dtype`: the integer dtype of the count (default int32).
+    - `start`: the initial count (also what `es.reset` writes back): a whole
+        number that `dtype` holds.
+    - `dtype`: the integer dtype of the count (default int32). The count wraps
+        around past the dtype's largest value, as integer arithmetic does in JAX
+        and PyTorch (int32: after 2³¹ − 1; `jnp.uint32` counts to 2³² − 1).
 
     **Example:**
 
@@ -35,7 +38,14 @@ class Counter(_LayerBase):
     inference: bool = False
 
     def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
-        self.count = CounterState(jnp.asarray(start, dtype=dtype), init=int(start))
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise StateTypeError(
+                f"Counter: `dtype` must be an integer dtype, got {jnp.dtype(dtype)}; "
+                "a counter counts whole steps (use a metric, e.g. `es.metrics.Sum`, "
+                "to accumulate fractional values)."
+            )
+        start = _whole("Counter: `start`", start, dtype)
+        self.count = CounterState(jnp.asarray(start, dtype=dtype), init=start)
         self.inference = inference
 
     @property
@@ -45,13 +55,15 @@ class Counter(_LayerBase):
 
     def increment(self, by: int | Int[Array, "..."] = 1) -> Int[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
-        step = jnp.asarray(by)
-        if not jnp.issubdtype(step.dtype, jnp.integer):
+        if is_whole(by):
+            by = _whole("Counter.increment(by)", by, self.count.dtype)
+        elif not jnp.issubdtype(getattr(by, "dtype", object), jnp.integer):
             raise StateTypeError(
-                f"Counter.increment(by) needs an integer step, got {by!r} of dtype "
-                f"{step.dtype}; a counter counts whole steps (use a metric, e.g. "
-                "`es.metrics.Sum`, to accumulate fractional values)."
+                f"Counter.increment(by) needs an integer step, got {by!r}; a "
+                "counter counts whole steps (use a metric, e.g. `es.metrics.Sum`, to "
+                "accumulate fractional values)."
             )
+        step = jnp.asarray(by)
         if inference_flag(self):
             return self.count[...]
         new = self.count[...] + step.astype(self.count.dtype)
@@ -61,6 +73,24 @@ class Counter(_LayerBase):
     def __call__(self) -> Int[Array, "..."]:
         """Same as `increment()`."""
         return self.increment()
+
+
+def _whole(what: str, value: object, dtype: object) -> int:
+    """`value` as an `int` if it is a whole number that `dtype` holds; else a
+    `StateTypeError` (not whole: `jnp.asarray(1.5, int32)` would truncate it) or a
+    `StateValueError` (out of range)."""
+    if not is_whole(value):
+        raise StateTypeError(
+            f"{what} must be a whole number, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    info = jnp.iinfo(dtype)  # pyright: ignore[reportArgumentType]
+    if not info.min <= value <= info.max:  # type: ignore[operator]
+        raise StateValueError(
+            f"{what} is {value}, outside the range of the counter's dtype "
+            f"{jnp.dtype(dtype).name} ([{info.min}, {info.max}])."  # pyright: ignore
+        )
+    return int(value)  # type: ignore[arg-type]
 
 
 _ = jax  # keep the import for type checkers that resolve `jax.Array` via jaxtyping

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Num
 from .._buffer import BatchStat, _LayerBase
 from .._errors import StateTypeError, StateValueError, is_whole
 from ._axis import axis_size
-from ._complex import refuse_complex
+from ._complex import refuse_complex, refuse_non_array
 from ._flag import inference_flag
 
 
@@ -180,6 +180,7 @@ class RunningNorm(_LayerBase):
         as the moments), else the moments' dtype.
         """
         del key
+        refuse_non_array("RunningNorm", x)
         refuse_complex(
             "RunningNorm",
             x.dtype,

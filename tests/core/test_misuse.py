@@ -100,6 +100,25 @@ PROBES = {
     "CausalSelfAttention batch": (attn, lambda m: m(jnp.ones((2, 2, 4)))),
     "EMA other model": (ema, lambda m: m.update(eqx.nn.Linear(3, 4, key=key))),
     "Counter fractional step": (es.nn.Counter, lambda m: m.increment(0.5)),
+    "Counter string step": (es.nn.Counter, lambda m: m.increment("a")),
+    "Counter step out of range": (es.nn.Counter, lambda m: m.increment(2**40)),
+    "Counter fractional start": (es.nn.Counter, lambda m: es.nn.Counter(start=1.5)),
+    "Counter start out of range": (es.nn.Counter, lambda m: es.nn.Counter(start=2**31)),
+    "BatchNorm list input": (bn, lambda m: m([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])),
+    "RunningNorm list input": (rn, lambda m: m([[1.0, 2.0, 3.0]])),
+    "Dropout integer input": (
+        lambda: es.nn.Dropout(0.3, key=key), lambda m: m(jnp.ones(6, jnp.int32))
+    ),
+    "apply of a non-callable": (bn, lambda m: es.apply(3, m)),
+    "Buffer index out of range": (
+        lambda: es.Buffer(jnp.zeros(3)), lambda b: b.__setitem__(-5, 9.0)
+    ),
+    "Buffer float index": (
+        lambda: es.Buffer(jnp.zeros(3)), lambda b: b.__setitem__(1.5, 9.0)
+    ),
+    "Buffer indexed write shape": (
+        lambda: es.Buffer(jnp.zeros((3, 2))), lambda b: b.__setitem__(0, jnp.ones(4))
+    ),
     "Accuracy float labels": (es.metrics.Accuracy, lambda m: m.update(f, jnp.ones(4))),
     "Accuracy label shape": (
         es.metrics.Accuracy, lambda m: m.update(f, jnp.ones(5, jnp.int32))
@@ -157,6 +176,17 @@ _INPUT_ERRORS = [
     ("ConfusionMatrix classes", "ValueError", r"num_classes=4"),
     ("Mean mask shape", "ValueError", r"`mask` has shape \(5,\)"),
     ("MeanStd weight shape", "ValueError", r"`sample_weight` has shape"),
+    ("Counter string step", "TypeError", r"integer step"),
+    ("Counter step out of range", "ValueError", r"outside the range.*int32"),
+    ("Counter fractional start", "TypeError", r"`start` must be a whole number"),
+    ("Counter start out of range", "ValueError", r"`start` is 2147483648, outside"),
+    ("BatchNorm list input", "TypeError", r"BatchNorm expects a JAX or NumPy array"),
+    ("RunningNorm list input", "TypeError", r"RunningNorm expects a JAX or NumPy"),
+    ("Dropout integer input", "TypeError", r"floating-point input.*astype"),
+    ("apply of a non-callable", "TypeError", r"eqx_state\.apply: .*must be callable"),
+    ("Buffer index out of range", "StateIndexError", r"-5 is out of bounds.*\[-n, n\)"),
+    ("Buffer float index", "TypeError", r"indices are integers"),
+    ("Buffer indexed write shape", "StateWriteError", r"that part has shape \(2,\)"),
     ("Buffer write dtype", "StateWriteError", r"Cast explicitly"),
     ("Buffer write shape", "StateWriteError", r"Reshape the value"),
 ]
@@ -539,6 +569,52 @@ def test_value_mode_write_outside_a_step(name):
 def test_value_mode_evaluation_needs_no_step(name):
     make, call = _LAYERS[name]
     call(eqx.nn.inference_mode(make()))  # no write, no error
+
+
+# ------------------------------------ a `cond` that writes state, in a scanned loss
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_cond_that_writes_in_a_scanned_loss_names_the_fix_and_the_fix_counts(mode):
+    """JAX cannot partially evaluate a `cond` with state effects inside a loop of a
+    differentiated function; the note named only `vmap`, which is not there. The
+    fix it gives (`jnp.where`) counts as a Python loop over the predicate does."""
+    counter = es.nn.Counter()
+    counter = es.to_refs(counter) if mode == "ref" else counter
+    preds = jnp.array([True, False, True, True])
+
+    def loss(c, w, preds):
+        def body(h, p):
+            h = jax.lax.cond(
+                p, lambda h: h + c.increment().astype(h.dtype), lambda h: h, h
+            )
+            return h * w, None
+
+        return jax.lax.scan(body, 1.0, preds)[0]
+
+    def loss_where(c, w, preds):
+        def body(h, p):
+            now = c.count[...]
+            c.count[...] = jnp.where(p, now + 1, now)
+            return (h + jnp.where(p, now + 1, 0).astype(h.dtype)) * w, None
+
+        return jax.lax.scan(body, 1.0, preds)[0]
+
+    class Model(eqx.Module):
+        c: es.nn.Counter
+        w: jax.Array
+
+    model = Model(counter, jnp.array(1.0))
+    step = es.make_step(lambda m, p: loss(m.c, m.w, p), optax.sgd(0.1), donate=False)
+    with pytest.raises(NotImplementedError) as info:
+        step(model, step.init(model), preds)
+    note = "".join(getattr(info.value, "__notes__", []))
+    assert "inside a `lax.scan` / `fori_loop` body of a differentiated loss" in note
+    assert "jnp.where(pred, new, cell[...])" in note
+    assert int(model.c.value) == 0  # nothing written
+    step = es.make_step(lambda m, p: loss_where(m.c, m.w, p), optax.sgd(0.1))
+    model, _ = step(model, step.init(model), preds)
+    assert int(model.c.value) == sum(bool(p) for p in preds)  # 3
 
 
 # ------------------------------------------------------------- mixing modes

@@ -494,6 +494,31 @@ def test_every_conversion_refuses_a_consumed_model_alike(mode):
             convert(model)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_own_refuses_a_consumed_carry_when_it_takes_it_over(mode):
+    """`step.own` took a consumed model or optimizer state without a word; the
+    loop failed at its first call, and `release()` handed the dead carry back."""
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    xs, ys = data()
+    opt_state = step.init(model)
+    new, new_opt = step(model, opt_state, xs[0], ys[0])  # consumes both
+    # the message a step call gives (`test_what_was_consumed_is_named_alike...`)
+    with pytest.raises(
+        es.StaleModelError, match=r"^The model holds.*Consumed: `model\.lin1\.layer"
+    ):
+        step.own(model, new_opt)
+    with pytest.raises(
+        es.StaleModelError, match=r"^The optimizer state holds.*Consumed: `opt_state"
+    ):
+        step.own(new, opt_state)
+    loop = step.own(new, new_opt)  # what the step returned is taken
+    loop(xs[1], ys[1])
+    model, _ = loop.release()
+    assert int(model.bn.num_batches_tracked[...]) == 2
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_what_was_consumed_is_named_alike_by_every_runner(runner):
     """A stale optimizer state with a fresh model names the optimizer state and its

@@ -168,6 +168,30 @@ def test_a_pytree_of_in_axes_is_refused_naming_the_limit():
         f(es.to_refs(es.nn.BatchNorm(4, axis_name="b")), {"x": jnp.ones((6, 4))})
 
 
+def test_an_axis_an_argument_lacks_or_a_size_that_differs_is_refused():
+    """`es.vmap` read the size from the first mapped leaf: an axis out of its range
+    raised a bare `IndexError` from the library's own code, an `axis_size` that
+    differs from the arrays a JAX error about internal names."""
+    bn = es.to_refs(es.nn.BatchNorm(3, channel_axis=0, axis_name="b"))
+    x = jnp.ones((4, 3))
+    before = np.asarray(bn.running_mean[...])
+    for kwargs, match in [
+        ({"in_axes": 5}, r"in_axes entry 0 is 5, but argument 0 has shape \(4, 3\)"),
+        ({"in_axes": -3}, r"in_axes entry 0 is -3"),
+        ({"axis_size": 5}, r"argument 0 has 4 examples .* `axis_size` is 5"),
+    ]:
+        with pytest.raises(ValueError, match=match) as info:
+            es.vmap(bn, axis_name="b", **kwargs)(x)
+        assert isinstance(info.value, es.EqxStateError)
+    f = es.vmap(lambda m, a, d: m(a + d["y"]), in_axes=(None, 0, 0), axis_name="b")
+    with pytest.raises(ValueError, match=r"argument 2 at y has 5 examples.*earlier"):
+        f(bn, x, {"y": jnp.ones((5, 3))})
+    np.testing.assert_array_equal(bn.running_mean[...], before)  # nothing written
+    # a negative axis in range maps as `jax.vmap` maps it
+    out = es.vmap(bn, in_axes=-2, axis_name="b")(x)
+    assert out.shape == (4, 3)
+
+
 def test_nested_record_dead_fraction_with_a_tuple_axis_equals_numpy():
     x = jax.random.normal(jax.random.key(1), (2, 4, 5)).at[..., 0].set(-1.0)
     rec = es.nn.Record("dead_fraction", "mean", axis_name=("o", "i"))

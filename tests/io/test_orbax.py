@@ -274,6 +274,42 @@ def test_orbax_target_checks_like_against_the_checkpoint(tmp_path):
             es.orbax_target({**like, **change}, meta)
 
 
+def test_from_orbax_refuses_what_does_not_have_like_s_shape_or_dtype(tmp_path):
+    """Restored without `orbax_target` (Orbax then restores what the file holds),
+    `from_orbax` returned a cell of shape (3,) holding a value of shape (5,), or a
+    float16 weight in a float32 model."""
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        saved = {"cell": es.Buffer(jnp.zeros(5))}
+        mngr.save(0, args=ocp.args.StandardSave(es.to_orbax(saved)))
+        mngr.save(
+            1,
+            args=ocp.args.StandardSave(
+                {"w": np.zeros(3, np.float16), "n": np.array([2**40])}
+            ),
+        )
+        mngr.wait_until_finished()
+        # restored into the tree it was saved from, not `es.orbax_target(like, ...)`
+        std = ocp.args.StandardRestore
+        shape = mngr.restore(0, args=std(es.to_orbax(saved)))
+        dtype = mngr.restore(
+            1, args=std({"w": np.zeros(3, np.float16), "n": np.zeros(1, np.int64)})
+        )
+    with pytest.raises(
+        es.CheckpointError,
+        match=r"At \['cell'\]\.value Orbax restored float32\(5,\) but `like` "
+        r"holds float32\(3,\).*orbax_target",
+    ):
+        es.from_orbax(shape, {"cell": es.Buffer(jnp.zeros(3))})
+    with pytest.raises(es.CheckpointError, match=r"At \['w'\] .*float16.*float32"):
+        es.from_orbax(dtype, {"w": jnp.zeros(3), "n": np.array([0])})
+    # NumPy int64 data into `filter_eval_shape`'s int32 description still fits
+    got = es.from_orbax(
+        dtype,
+        {"w": np.zeros(3, np.float16), "n": jax.ShapeDtypeStruct((1,), jnp.int32)},
+    )
+    assert got["n"].dtype == np.int64 and got["n"][0] == 2**40
+
+
 def test_numpy_int64_into_an_abstract_like_is_not_downcast(tmp_path):
     tree = {"n": np.array([2**40 + 3]), "s": np.float64(1 / 3), "j": jnp.arange(2)}
     abstract = eqx.filter_eval_shape(lambda: tree)

@@ -706,5 +706,16 @@ def test_a_bfloat16_torch_batch_norm_loads_exactly():
     wide = {
         k: v.double() if v.is_floating_point() else v for k, v in t.state_dict().items()
     }
-    with pytest.raises(TypeError, match="Dtype mismatch for `weight`: .* float64"):
+    with pytest.raises(
+        TypeError,
+        match=r"Dtype mismatch for `weight`: .* float64.*`sd\['weight'\] = "
+        r"sd\['weight'\]\.to\(torch\.bfloat16\)`.*or build the model with "
+        r"dtype=float64",
+    ):
         es.load_state_dict(es.nn.BatchNorm(3, dtype=jnp.bfloat16), wide)
+    # another kind (a float count): cast that entry; no model dtype would help
+    count = {**t.state_dict(), "num_batches_tracked": torch.tensor(2.0)}
+    with pytest.raises(
+        TypeError, match=r"num_batches_tracked.*\.to\(torch\.int32\)`.*int32\)`\.$"
+    ):
+        es.load_state_dict(es.nn.BatchNorm(3, dtype=jnp.bfloat16), count)
