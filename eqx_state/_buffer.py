@@ -259,14 +259,19 @@ def layer_path(layer: Any) -> str:
     return ""
 
 
+def is_consumed(x: Any) -> bool:
+    """Whether `x` is an array or a ref whose buffer a donating call consumed."""
+    if isinstance(x, Tracer):
+        return False
+    return (isinstance(x, jax.Array) and x.is_deleted()) or (
+        _is_ref(x) and ref_is_consumed(x)
+    )
+
+
 def check_live(x: Any, what: str) -> None:
     """The one check that `x` (an array or a ref) was not consumed by donation:
     `StaleModelError` naming `what` if it was."""
-    if isinstance(x, Tracer):
-        return
-    if (isinstance(x, jax.Array) and x.is_deleted()) or (
-        _is_ref(x) and ref_is_consumed(x)
-    ):
+    if is_consumed(x):
         raise StaleModelError(stale_message(what))
 
 
@@ -416,9 +421,7 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                 return None
             probe.append(p)
         elif isinstance(p, float | complex) or (
-            hasattr(p, "dtype")
-            and not jnp.issubdtype(p.dtype, jnp.integer)
-            and not jnp.issubdtype(p.dtype, jnp.bool_)
+            hasattr(p, "dtype") and not jnp.issubdtype(p.dtype, jnp.integer)
         ):
             raise StateTypeError(
                 f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "

@@ -36,16 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import _is_ref, is_state, unbatched_message
+from ._buffer import _is_ref, is_consumed, is_state, unbatched_message
 from ._compat import (
-    REF_TYPES,
     Tracer,
     equinox_runtime_error,
     is_batched,
     is_concrete_ref,
     is_deleted_array_error,
     ref_buffer,
-    ref_is_consumed,
     set_ref_buffer,
     under_trace,
 )
@@ -870,12 +868,7 @@ def check_carry_live(carry: tuple) -> None:
     compiled call gives for a consumed carry, rather than one at the loop's first
     call and a dead carry back from `release()`."""
     leaves = jax.tree_util.tree_leaves(carry)
-    deleted = [
-        i
-        for i, x in enumerate(leaves)
-        if (isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted())
-        or (isinstance(x, REF_TYPES) and ref_is_consumed(x))
-    ]
+    deleted = [i for i, x in enumerate(leaves) if is_consumed(x)]
     if deleted:
         n_model = len(jax.tree_util.tree_leaves(carry[0]))
         where = _named_in((carry, (), {}), deleted)
