@@ -263,6 +263,17 @@ class BatchNorm(_LayerBase):
                 "[N, C, ...] use channel_axis=1 (PyTorch's layout); for "
                 "channels-last, channel_axis=-1."
             )
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            held = getattr(self, name)
+            if held is not None and tuple(held.shape) != (self.num_features,):
+                raise StateValueError(
+                    f"BatchNorm({self.num_features}){layer_path(self)}: its `{name}` "
+                    f"has shape {tuple(held.shape)}, not ({self.num_features},): a "
+                    "value of another shape was put there (e.g. by `eqx.tree_at`, or "
+                    "from another model's checkpoint). Put one of shape "
+                    f"({self.num_features},) there, or build the layer with "
+                    f"BatchNorm({held.shape[0] if held.shape else '...'})."
+                )
         return axis
 
     def _uses_batch_stats(self) -> bool:

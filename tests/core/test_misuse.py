@@ -104,6 +104,12 @@ PROBES = {
     "Counter step out of range": (es.nn.Counter, lambda m: m.increment(2**40)),
     "Counter fractional start": (es.nn.Counter, lambda m: es.nn.Counter(start=1.5)),
     "Counter start out of range": (es.nn.Counter, lambda m: es.nn.Counter(start=2**31)),
+    "BatchNorm cell of another shape": (
+        bn,
+        lambda m: eqx.tree_at(
+            lambda b: b.running_mean, m, es.to_refs(es.BatchStat(jnp.zeros(5)))
+        )(jnp.ones((4, 3))),
+    ),
     "BatchNorm list input": (bn, lambda m: m([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])),
     "RunningNorm list input": (rn, lambda m: m([[1.0, 2.0, 3.0]])),
     "Dropout integer input": (
@@ -180,6 +186,11 @@ _INPUT_ERRORS = [
     ("Counter step out of range", "ValueError", r"outside the range.*int32"),
     ("Counter fractional start", "TypeError", r"`start` must be a whole number"),
     ("Counter start out of range", "ValueError", r"`start` is 2147483648, outside"),
+    (
+        "BatchNorm cell of another shape",
+        "ValueError",
+        r"`running_mean` has shape \(5,\), not \(3,\).*eqx\.tree_at",
+    ),
     ("BatchNorm list input", "TypeError", r"BatchNorm expects a JAX or NumPy array"),
     ("RunningNorm list input", "TypeError", r"RunningNorm expects a JAX or NumPy"),
     ("Dropout integer input", "TypeError", r"floating-point input.*astype"),
@@ -201,6 +212,24 @@ def test_wrong_input_gives_a_clear_error_and_writes_nothing(probes, name, exc, m
     # before the failing one, as intended)
     if name != "KVCache overflow after writes":
         assert got["state_unchanged"], name
+
+
+def test_a_cell_of_another_shape_is_named_by_its_path_inside_a_step():
+    """A statistic of another shape put into a BatchNorm (`eqx.tree_at`): a bare
+    broadcasting `TypeError` from the normalisation, naming nothing."""
+
+    class Net(eqx.Module):
+        bn: es.nn.BatchNorm
+
+    step = es.make_step(lambda m, x: jnp.mean(m.bn(x) ** 2), optax.sgd(0.1))
+    model = Net(es.nn.BatchNorm(3))
+    opt_state = step.init(model)
+    bad = eqx.tree_at(lambda m: m.bn.running_var.value, model, jnp.ones(5))
+    with pytest.raises(
+        ValueError, match=r"BatchNorm\(3\) at `bn`: its `running_var` has shape \(5,\)"
+    ):
+        step(bad, opt_state, jnp.ones((4, 3)))
+    step(model, opt_state, jnp.ones((4, 3)))  # the model given is untouched
 
 
 def test_batch_norm_integer_input_names_the_cast(probes):
