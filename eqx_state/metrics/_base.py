@@ -217,11 +217,11 @@ def _weights(like: Array, mask: Any, sample_weight: Any, dtype: Any) -> Array:
 # (beyond float32's 2**24) and refuses fractional inputs at update. "values": a
 # value kept as it is (min, max, last): any real dtype.
 _DTYPE_KINDS = {
-    "floating": "a floating dtype (jnp.float32, jnp.float64 with x64, jnp.bfloat16, "
-    "jnp.float16)",
-    "counts": "a floating dtype (jnp.float32, jnp.float64 with x64, jnp.bfloat16, "
-    "jnp.float16) or, to count whole numbers exactly, a signed integer dtype "
-    "(jnp.int32, jnp.int64 with x64)",
+    "floating": "a floating dtype of 32 bits or more (jnp.float32, jnp.float64 with "
+    "x64)",
+    "counts": "a floating dtype of 32 bits or more (jnp.float32, jnp.float64 with "
+    "x64) or, to count whole numbers exactly, a signed integer dtype (jnp.int32, "
+    "jnp.int64 with x64)",
     "values": "a floating or integer dtype",
 }
 
@@ -234,6 +234,16 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
     except TypeError:
         d = None
     if d is not None:
+        if jnp.issubdtype(d, jnp.floating) and kind != "values" and d.itemsize < 4:
+            raise StateValueError(
+                f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. Its "
+                "statistics accumulate over a whole run, and a "
+                f"{d.name} sum stops growing without a word once it is large "
+                f"(adding 1 changes nothing past {2 ** (jnp.finfo(d).nmant + 1)}: "
+                "a count of 300 would stay there). Keep the "
+                "statistics in jnp.float32 (the default); the inputs may be "
+                f"{d.name}."
+            )
         if jnp.issubdtype(d, jnp.floating):
             return dtype
         if kind == "counts" and jnp.issubdtype(d, jnp.signedinteger):

@@ -68,10 +68,10 @@ class KVCache(_LayerBase):
     - under a trace (`jit`, `scan`, `vmap`), with `on_overflow="raise"` (default)
         the check is an [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/)
         on the written keys. What is raised at run time depends on what compiled
-        the call: under `eqx.filter_jit` (the decode loops of the docs and the
-        example) an `equinox.EquinoxRuntimeError` carrying the message below; under
-        a plain `jax.jit` (including, at the time of writing, `es.make_apply` and
-        `es.make_step`) the error of the failed XLA callback, whose text contains
+        the call: under `eqx.filter_jit`, `es.make_apply` and `es.make_step` (the
+        decode loops of the docs and the example) an `equinox.EquinoxRuntimeError`
+        (a `RuntimeError`) carrying the message below; under
+        a plain `jax.jit` the error of the failed XLA callback, whose text contains
         the same message after Equinox's note that it does not see `filter_jit`:
         on CPU a `ValueError` ("INTERNAL: CpuCallback error ..."), on other
         backends a `jax.errors.JaxRuntimeError`. (The usual `EQX_ON_ERROR`

@@ -391,9 +391,9 @@ def test_merge_checks_kind_and_configuration():
         (esm.LastValue(()), esm.LastValue((3,)), "`shape` is () here and (3,) in"),
         (esm.Mean(axis_name="i"), esm.Mean(), "`axis_name` is 'i' here and None"),
         (
-            esm.Mean(),
-            esm.Mean(dtype=jnp.bfloat16),
-            "the statistic 'total' has shape () and dtype float32 (merge 'sum') "
+            esm.Max(),
+            esm.Max(dtype=jnp.bfloat16),
+            "the statistic 'value' has shape () and dtype float32 (merge 'max') "
             "here, and shape () and dtype bfloat16",
         ),
     ],

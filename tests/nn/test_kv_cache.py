@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
+import optax
 import pytest
 from _scripts import cached_script
 
@@ -404,6 +405,21 @@ def test_overflow_inside_scan_raises_at_run_time():
     cached = es.nn.with_kv_cache(model, 8)  # prompt 4 + 8 steps do not fit
     with pytest.raises(eqx.EquinoxRuntimeError, match="KVCache overflow"):
         ex.decode_value_mode(cached, prompt, 8)
+
+
+@pytest.mark.parametrize("runner", ["make_apply", "make_step"])
+def test_overflow_under_the_library_s_runners_is_an_equinox_runtime_error(runner):
+    """As the `KVCache` docstring says (it said a plain `jax.jit`'s `ValueError`)."""
+    attn = es.nn.CausalSelfAttention(D, H, max_len=3, key=jax.random.key(0))
+    x = jnp.ones((2, D))  # fits once (the cursor is traced), not twice
+    if runner == "make_apply":
+        call = lambda m: es.make_apply(lambda m, x: m(x))(m, x)[1]  # noqa: E731
+    else:
+        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+        call = lambda m: step(m, step.init(m), x)[0]  # noqa: E731
+    attn = call(attn)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="KVCache overflow"):
+        jax.block_until_ready(call(attn))
 
 
 def test_overflow_policy_nan():
