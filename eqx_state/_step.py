@@ -362,7 +362,8 @@ def check_options(
     where: str, fn: Any, jit_kwargs: Any, scan_unroll: Any, **flags: Any
 ) -> None:
     """The one check of the options every runner's builder takes (`make_step`,
-    `make_apply`): a callable function, boolean flags, a valid `scan_unroll`, and
+    `make_apply`; `es.apply` checks its function here at each call): a callable
+    function, boolean flags, a valid `scan_unroll`, and
     `jax.jit` options that `jax.jit` takes and the runner does not set itself."""
     if not callable(fn):
         raise StateTypeError(
@@ -380,8 +381,10 @@ def check_options(
             f"{where}: `scan_unroll` must be a whole number >= 1 or a bool (as "
             f"`lax.scan`'s `unroll`), got {scan_unroll!r}."
         )
+    if not jit_kwargs:
+        return  # (`es.apply` checks its function at each call: keep that cheap)
     accepted = set(inspect.signature(jax.jit).parameters) - {"fun"}
-    for name in jit_kwargs or {}:
+    for name in jit_kwargs:
         if name in _RESERVED_JIT:
             raise StateValueError(
                 f"{where}: `{name}` is set by the runner itself; {_RESERVED_JIT[name]}."

@@ -281,7 +281,9 @@ class Record(Recorder):
         `[N, C, H, W]` feature map to count as one unit). Default: `0`; none
         inside [`eqx_state.vmap`][] over `axis_name` (per-example code: the
         examples are the members of that axis).
-    - `dtype`: the dtype of the statistics (default float32).
+    - `dtype`: the dtype of the statistics (default float32). The statistics that
+        accumulate (`mean`, `std`, `rms`, `dead_fraction`, ...) refuse a float
+        narrower than 32 bits, as the metrics do (a bfloat16 count stops at 256).
     - `inference`: start switched off (see [`eqx_state.nn.Recorder`][]).
     - `**metrics`: more statistics, as metrics by name.
 

@@ -643,8 +643,8 @@ def test_merge_of_recorders_built_differently_says_what_differs():
     identical strings (names and `axis_name` only)."""
     cases = [
         (
-            es.nn.Record("mean"),
-            es.nn.Record("mean", dtype=jnp.bfloat16),
+            es.nn.Record("max"),  # (a bfloat16 mean is refused: it accumulates)
+            es.nn.Record("max", dtype=jnp.bfloat16),
             "`dtype` is dtype('float32') here and dtype(bfloat16) in the other",
         ),
         (
@@ -658,6 +658,8 @@ def test_merge_of_recorders_built_differently_says_what_differs():
             "`axis_name` is None here and 'i' in the other",
         ),
     ]
+    with pytest.raises(ValueError, match="32 bits or more.*past 256"):
+        es.nn.Record("mean", dtype=jnp.bfloat16)  # as the metrics refuse it
     for a, b, part in cases:
         with pytest.raises(ValueError, match="same statistics and options") as info:
             a.merge(b)
