@@ -185,7 +185,8 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
 
 def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
     """At trace time: the optimizer state must be the one for these parameters."""
-    want = jax.tree_util.tree_structure(jax.eval_shape(optimizer.init, diff))
+    made = jax.eval_shape(optimizer.init, diff)
+    want = jax.tree_util.tree_structure(made)
     got = jax.tree_util.tree_structure(opt_state)
     if want != got:
         raise StepError(
@@ -193,6 +194,19 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
             "was made for another model, another optimizer, or another `trainable` "
             "selection. Make it with this step's `step.init(model)`."
         )
+    # the same structure with arrays of other shapes (a model of another size
+    # whose sizes are not static fields): optax's update fails on a bare
+    # broadcasting error
+    leaves = jax.tree_util.tree_leaves(opt_state)
+    for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(made)[0], leaves):
+        if tuple(jnp.shape(g)) != tuple(w.shape):
+            raise StepError(
+                "The optimizer state does not match the parameters this step "
+                f"trains: its leaf `opt_state{jax.tree_util.keystr(path)}` has shape "
+                f"{tuple(jnp.shape(g))}, where `step.init(model)` makes "
+                f"{tuple(w.shape)}: it was made for a model of other sizes. Make it "
+                "with this step's `step.init(model)`."
+            )
 
 
 def _is_predicate(x: Any) -> bool:

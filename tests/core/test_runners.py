@@ -520,6 +520,25 @@ def test_own_refuses_a_consumed_carry_when_it_takes_it_over(mode):
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
+def test_an_optimizer_state_of_other_shapes_is_named_alike_by_every_runner(runner):
+    """The same structure with arrays of other sizes (made for a model whose sizes
+    are not static): optax's update failed on a bare broadcasting `TypeError`."""
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    wider = jax.tree.map(
+        lambda a: jnp.concatenate([a, a]) if a.ndim else a, step.init(model)
+    )
+    xs, ys = data()
+    with pytest.raises(
+        es.StepError,
+        match=r"leaf `opt_state\[0\]\.mu\.lin1\.layer\.weight` has shape \(16, 3\), "
+        r"where `step\.init\(model\)` makes \(8, 3\)",
+    ):
+        first_call(runner, step, model, wider, xs, ys)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_what_was_consumed_is_named_alike_by_every_runner(runner):
     """A stale optimizer state with a fresh model names the optimizer state and its
     leaves; a deleted argument names the argument and leaves the model alone (it
