@@ -394,19 +394,29 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
     """The shape of `buf[idx]` by NumPy's indexing rules, which a cell follows for
     the parts of an index known while tracing: an integer out of its axis's range
     raises a `StateIndexError` (JAX's arrays clamp such a read and drop such a
-    write; a ref would land it in another slot); a float, a boolean or `None` (a
-    ref takes neither) a `StateTypeError`. Integer arrays that are traced are
-    checked for their shape only. `None` when the index holds parts NumPy cannot
+    write; a ref would land it in another slot); a float a `StateTypeError`, and
+    in a cell that holds a ref (ref mode, or any write) a boolean or `None`,
+    which a ref does not take (a value-mode read takes them, as `jnp` does).
+    Integer arrays that are traced are checked for their shape only. `None` when the index holds parts NumPy cannot
     stand in for (a traced slice bound, another indexer type): JAX then has the
     last word."""
+    shape = tuple(buf.value.shape)
+    if not all(isinstance(d, int) for d in shape):
+        return None  # a symbolic shape (`jax.export`): JAX checks the index
+    ref = _is_ref(buf.value)
     parts = idx if isinstance(idx, tuple) else (idx,)
     probe: list[Any] = []
     for p in parts:
-        if (
-            p is None
-            or isinstance(p, bool | np.bool_)
-            or (hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.bool_))
-        ):
+        boolean = isinstance(p, bool | np.bool_) or (
+            hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.bool_)
+        )
+        if not ref and (p is None or boolean):
+            # an array's read takes them, as `jnp` does (value mode, no step)
+            if isinstance(p, Tracer):
+                return None
+            probe.append(np.asarray(p) if hasattr(p, "dtype") else p)
+            continue
+        if p is None or boolean:
             # a ref takes neither (it reads a boolean mask as the integers 0 and 1)
             raise StateTypeError(
                 f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: a "
@@ -421,7 +431,7 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                 return None
             probe.append(p)
         elif isinstance(p, float | complex) or (
-            hasattr(p, "dtype") and not jnp.issubdtype(p.dtype, jnp.integer)
+            hasattr(p, "dtype") and not jnp.issubdtype(p.dtype, jnp.integer)  # pyright: ignore
         ):
             raise StateTypeError(
                 f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
@@ -437,12 +447,14 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
         elif hasattr(p, "dtype"):  # an integer array (or scalar)
             # a traced index stands in by its shape (every position in range)
             probe.append(
-                np.zeros(p.shape, np.intp) if isinstance(p, Tracer) else np.asarray(p)
+                np.zeros(np.shape(p), np.intp)
+                if isinstance(p, Tracer)
+                else np.asarray(p)
             )
         else:
             return None
     # a view of the cell's shape that holds no memory
-    view = np.broadcast_to(np.zeros((), np.bool_), tuple(buf.value.shape))
+    view = np.broadcast_to(np.zeros((), np.bool_), shape)
     try:
         return tuple(view[tuple(probe)].shape)
     except IndexError as e:

@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+import numpy as np
+from jaxtyping import Array, ArrayLike, Integer
 
 from .._buffer import CounterState, _LayerBase
+from .._compat import Tracer
 from .._errors import StateTypeError, StateValueError, is_whole
 from ._flag import inference_flag
 
@@ -19,10 +21,13 @@ class Counter(_LayerBase):
     **Arguments:**
 
     - `start`: the initial count (also what `es.reset` writes back): a whole
-        number that `dtype` holds.
+        number that `dtype` holds (a Python or NumPy integer, or a concrete 0-d
+        integer array, e.g. a restored step count).
     - `dtype`: the integer dtype of the count (default int32). The count wraps
         around past the dtype's largest value, as integer arithmetic does in JAX
-        and PyTorch (int32: after 2³¹ − 1; `jnp.uint32` counts to 2³² − 1).
+        and PyTorch (int32: after 2³¹ − 1; `jnp.uint32` counts to 2³² − 1). A
+        Python step `by` must lie in the dtype's range (for an unsigned count,
+        down to minus its largest value: a decrement).
 
     **Example:**
 
@@ -37,7 +42,13 @@ class Counter(_LayerBase):
     count: CounterState
     inference: bool = False
 
-    def __init__(self, start: int = 0, *, dtype=jnp.int32, inference: bool = False):
+    def __init__(
+        self,
+        start: int | Integer[ArrayLike, ""] = 0,
+        *,
+        dtype=jnp.int32,
+        inference: bool = False,
+    ):
         if not jnp.issubdtype(dtype, jnp.integer):
             raise StateTypeError(
                 f"Counter: `dtype` must be an integer dtype, got {jnp.dtype(dtype)}; "
@@ -49,14 +60,14 @@ class Counter(_LayerBase):
         self.inference = inference
 
     @property
-    def value(self) -> Int[Array, "..."]:
+    def value(self) -> Integer[Array, "..."]:
         """The current count."""
         return self.count[...]
 
-    def increment(self, by: int | Int[Array, "..."] = 1) -> Int[Array, "..."]:
+    def increment(self, by: int | Integer[Array, "..."] = 1) -> Integer[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
         if is_whole(by):
-            by = _whole("Counter.increment(by)", by, self.count.dtype)
+            by = _whole("Counter.increment(by)", by, self.count.dtype, step=True)
         elif not jnp.issubdtype(getattr(by, "dtype", object), jnp.integer):
             raise StateTypeError(
                 f"Counter.increment(by) needs an integer step, got {by!r}; a "
@@ -70,25 +81,35 @@ class Counter(_LayerBase):
         self.count[...] = new
         return new
 
-    def __call__(self) -> Int[Array, "..."]:
+    def __call__(self) -> Integer[Array, "..."]:
         """Same as `increment()`."""
         return self.increment()
 
 
-def _whole(what: str, value: object, dtype: object) -> int:
+def _whole(what: str, value: object, dtype: object, step: bool = False) -> int:
     """`value` as an `int` if it is a whole number that `dtype` holds; else a
     `StateTypeError` (not whole: `jnp.asarray(1.5, int32)` would truncate it) or a
     `StateValueError` (out of range)."""
+    if (
+        hasattr(value, "dtype")
+        and np.ndim(value) == 0  # type: ignore[arg-type]
+        and jnp.issubdtype(value.dtype, jnp.integer)  # type: ignore[union-attr]
+        and not isinstance(value, Tracer)
+    ):
+        value = int(value)  # type: ignore[arg-type]  (a concrete 0-d integer array)
     if not is_whole(value):
         raise StateTypeError(
             f"{what} must be a whole number, got {value!r} of type "
             f"{type(value).__name__}."
         )
     info = jnp.iinfo(dtype)  # pyright: ignore[reportArgumentType]
-    if not info.min <= value <= info.max:  # type: ignore[operator]
+    # a step of an unsigned counter may be negative: cast, it wraps to the
+    # same count modulo 2**bits (5 + (-1) is 4)
+    low = -int(info.max) if step and info.min == 0 else int(info.min)
+    if not low <= value <= info.max:  # type: ignore[operator]
         raise StateValueError(
             f"{what} is {value}, outside the range of the counter's dtype "
-            f"{jnp.dtype(dtype).name} ([{info.min}, {info.max}])."  # pyright: ignore
+            f"{jnp.dtype(dtype).name} ([{low}, {info.max}])."  # pyright: ignore
         )
     return int(value)  # type: ignore[arg-type]
 

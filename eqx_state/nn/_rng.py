@@ -304,6 +304,8 @@ class Dropout(_LayerBase):
             inference = inference_flag(self)
         if inference or self.p == 0.0:
             return x
+        if self.p == 1.0:
+            return jnp.zeros_like(x)
         if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             # the kept values are scaled by 1 / (1 - p): in an integer dtype that
             # scale would be truncated (to 1, or to inf for `x / 0`)
@@ -313,8 +315,6 @@ class Dropout(_LayerBase):
                 "values are scaled by 1 / (1 - p). Convert it first, e.g. "
                 "`x.astype(jnp.float32)`."
             )
-        if self.p == 1.0:
-            return jnp.zeros_like(x)
         if key is None:
             if self.rng is None:
                 raise StateValueError(

@@ -242,6 +242,19 @@ def test_batch_norm_batch_of_one_in_training_is_an_error(probes):
     assert got["exc"] == "ValueError" and got["state_unchanged"], got
 
 
+def test_counter_takes_whole_numbers_as_integer_arithmetic_does():
+    """A concrete 0-d integer array starts a counter (a restored step count), and
+    an unsigned counter takes a negative Python step (a decrement), as Python's
+    integers count modulo 2**32."""
+    for start in (jnp.int32(5), np.array(5), np.int64(5)):
+        assert int(es.nn.Counter(start).value) == 5
+    c = es.to_refs(es.nn.Counter(5, dtype=jnp.uint32))
+    c.increment(-1)
+    assert int(c.value) == 5 - 1
+    c.increment(-5)
+    assert int(c.value) == (5 - 1 - 5) % 2**32
+
+
 def test_counter_fractional_step_is_an_error(probes):
     got = probes["Counter fractional step"]
     assert got["exc"] in ("TypeError", "ValueError"), got
