@@ -6,7 +6,10 @@ argument value is a `ValueError`, a wrong type a `TypeError`), so existing `exce
 ValueError` clauses keep working.
 """
 
+import jax
 import numpy as np
+
+from ._compat import Tracer
 
 
 def user_stacklevel() -> int:
@@ -127,15 +130,42 @@ def is_whole(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def check_int(where: str, name: str, value: object, minimum: int) -> int:
-    """`value` as an `int` if it is a whole number (`is_whole`) of at least
-    `minimum`; else a `StateTypeError` (not a whole number, as `np.histogram` and
-    `range` refuse one) or a `StateValueError` (too small), naming `where`."""
+def check_int(
+    where: str,
+    name: str,
+    value: object,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    hint: str = "",
+) -> int:
+    """The one check of a whole-number argument (a size, a count, a step): `value`
+    as an `int` if it is a whole number (`is_whole`, or a concrete 0-d integer
+    array) in `[minimum, maximum]` (either bound may be None); else a
+    `StateTypeError` (not a whole number: `range` and `np.histogram` refuse one,
+    and `jnp.asarray(1.5, jnp.int32)` would truncate it) or a `StateValueError`
+    (out of range), naming `where` and `name` and ending with `hint`."""
+    if (
+        isinstance(value, jax.Array | np.ndarray)
+        and not isinstance(value, Tracer)  # a traced value has no int to check
+        and value.ndim == 0
+        and np.issubdtype(value.dtype, np.integer)
+    ):
+        value = int(value)  # a concrete 0-d integer array
+    hint = f" {hint}" if hint else ""
     if not is_whole(value):
         raise StateTypeError(
             f"{where}: {name} must be an int, got {value!r} of type "
-            f"{type(value).__name__}."
+            f"{type(value).__name__}.{hint}"
         )
-    if value < minimum:  # type: ignore[operator]
-        raise StateValueError(f"{where}: {name} must be >= {minimum}, got {value}.")
+    low = minimum is not None and value < minimum  # type: ignore[operator]
+    high = maximum is not None and value > maximum  # type: ignore[operator]
+    if low or high:
+        bound = (
+            f"in [{minimum}, {maximum}]"
+            if minimum is not None and maximum is not None
+            else f">= {minimum}"
+            if minimum is not None
+            else f"<= {maximum}"
+        )
+        raise StateValueError(f"{where}: {name} must be {bound}, got {value}.{hint}")
     return int(value)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from ._dispatch import (
     cells_only,
     check_carry_live,
 )
-from ._errors import ReadOnlyError, StateTypeError, StateValueError, is_whole
+from ._errors import ReadOnlyError, StateTypeError, StateValueError, check_int, is_whole
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, Placement, layout_rule, place, place_carry
 
@@ -83,14 +83,13 @@ class Step:
                 "`init` and `update`, e.g. `optax.adam(1e-3)`), got "
                 f"{type(optimizer).__name__}."
             )
-        if microbatches is not None and not is_whole(microbatches):
-            raise StateTypeError(
-                "make_step: microbatches must be a whole number >= 1 (or None), got "
-                f"{microbatches!r}."
-            )
-        if microbatches is not None and microbatches < 1:
-            raise StateValueError(
-                f"make_step: microbatches must be >= 1, got {microbatches}."
+        if microbatches is not None:
+            microbatches = check_int(
+                "make_step",
+                "microbatches",
+                microbatches,
+                1,
+                hint="None (the default) runs each batch in one piece.",
             )
         if mesh is not None and data_axis not in mesh.axis_names:
             raise StateValueError(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._buffer import Cache, _LayerBase, is_state
-from .._errors import StateValueError
+from .._errors import StateValueError, check_int
 from ._kv_cache import KVCache
 
 
@@ -122,10 +122,12 @@ class CausalSelfAttention(_LayerBase):
         on_overflow: Literal["raise", "nan"] = "raise",
         key: PRNGKeyArray,
     ):
-        if num_heads <= 0 or embed_dim % num_heads:
+        embed_dim = check_int("CausalSelfAttention", "embed_dim", embed_dim, 1)
+        num_heads = check_int("CausalSelfAttention", "num_heads", num_heads, 1)
+        if embed_dim % num_heads:
             raise StateValueError(
-                f"CausalSelfAttention: num_heads={num_heads} must be positive and "
-                f"divide embed_dim={embed_dim}."
+                f"CausalSelfAttention: num_heads={num_heads} must divide "
+                f"embed_dim={embed_dim}."
             )
         dtype = jnp.float32 if dtype is None else dtype
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -241,10 +243,8 @@ def with_kv_cache(
     ```
     """
 
-    if batch_size is not None and batch_size <= 0:
-        raise StateValueError(
-            f"with_kv_cache: batch_size must be positive, got {batch_size}."
-        )
+    if batch_size is not None:
+        batch_size = check_int("with_kv_cache", "batch_size", batch_size, 1)
 
     def one(path: Any, x: Any) -> Any:
         if not _is_attn(x):

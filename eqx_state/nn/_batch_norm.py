@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat, _LayerBase, layer_path
-from .._errors import StateTypeError, StateValueError, is_whole
+from .._errors import StateTypeError, StateValueError, check_int
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._flag import inference_flag
@@ -134,22 +134,19 @@ class BatchNorm(_LayerBase):
         inference: bool = False,
         dtype=None,
     ):
-        if not is_whole(num_features):
-            raise StateTypeError(
-                "BatchNorm: num_features (the number of channels) must be an int, "
-                f"got {num_features!r} of type {type(num_features).__name__}. E.g. "
-                "`BatchNorm(x.shape[1])` for inputs laid out [N, C, ...]."
-            )
-        if num_features <= 0:
-            raise StateValueError(
-                f"BatchNorm: num_features must be positive, got {num_features}."
-            )
-        num_features = int(num_features)
-        if not is_whole(channel_axis):
-            raise StateTypeError(
-                "BatchNorm: channel_axis must be an int (1 for [N, C, ...], -1 for "
-                f"channels-last), got {channel_axis!r}."
-            )
+        num_features = check_int(
+            "BatchNorm",
+            "num_features (the number of channels)",
+            num_features,
+            1,
+            hint="E.g. `BatchNorm(x.shape[1])` for inputs laid out [N, C, ...].",
+        )
+        channel_axis = check_int(
+            "BatchNorm",
+            "channel_axis",
+            channel_axis,
+            hint="1 for inputs laid out [N, C, ...], -1 for channels-last.",
+        )
         for name, v in (("eps", eps), ("momentum", momentum)):
             if v is not None and not _is_real_number(v):
                 raise StateTypeError(

@@ -2,12 +2,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Integer
 
 from .._buffer import CounterState, _LayerBase
-from .._compat import Tracer
-from .._errors import StateTypeError, StateValueError, is_whole
+from .._errors import StateTypeError, check_int, is_whole
 from ._flag import inference_flag
 
 
@@ -55,7 +53,7 @@ class Counter(_LayerBase):
                 "a counter counts whole steps (use a metric, e.g. `es.metrics.Sum`, "
                 "to accumulate fractional values)."
             )
-        start = _whole("Counter: `start`", start, dtype)
+        start = _whole("Counter", "`start`", start, dtype)
         self.count = CounterState(jnp.asarray(start, dtype=dtype), init=start)
         self.inference = inference
 
@@ -67,7 +65,7 @@ class Counter(_LayerBase):
     def increment(self, by: int | Integer[Array, "..."] = 1) -> Integer[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
         if is_whole(by):
-            by = _whole("Counter.increment(by)", by, self.count.dtype, step=True)
+            by = _whole("Counter.increment", "`by`", by, self.count.dtype, step=True)
         elif not jnp.issubdtype(getattr(by, "dtype", object), jnp.integer):
             raise StateTypeError(
                 f"Counter.increment(by) needs an integer step, got {by!r}; a "
@@ -86,32 +84,23 @@ class Counter(_LayerBase):
         return self.increment()
 
 
-def _whole(what: str, value: object, dtype: object, step: bool = False) -> int:
-    """`value` as an `int` if it is a whole number that `dtype` holds; else a
-    `StateTypeError` (not whole: `jnp.asarray(1.5, int32)` would truncate it) or a
-    `StateValueError` (out of range)."""
-    if (
-        hasattr(value, "dtype")
-        and np.ndim(value) == 0  # type: ignore[arg-type]
-        and jnp.issubdtype(value.dtype, jnp.integer)  # type: ignore[union-attr]
-        and not isinstance(value, Tracer)
-    ):
-        value = int(value)  # type: ignore[arg-type]  (a concrete 0-d integer array)
-    if not is_whole(value):
-        raise StateTypeError(
-            f"{what} must be a whole number, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
+def _whole(
+    where: str, name: str, value: object, dtype: object, step: bool = False
+) -> int:
+    """`value` as an `int` if it is a whole number that `dtype` holds (the one
+    whole-number check, `_errors.check_int`)."""
     info = jnp.iinfo(dtype)  # pyright: ignore[reportArgumentType]
     # a step of an unsigned counter may be negative: cast, it wraps to the
     # same count modulo 2**bits (5 + (-1) is 4)
     low = -int(info.max) if step and info.min == 0 else int(info.min)
-    if not low <= value <= info.max:  # type: ignore[operator]
-        raise StateValueError(
-            f"{what} is {value}, outside the range of the counter's dtype "
-            f"{jnp.dtype(dtype).name} ([{low}, {info.max}])."  # pyright: ignore
-        )
-    return int(value)  # type: ignore[arg-type]
+    return check_int(
+        where,
+        name,
+        value,
+        low,
+        int(info.max),
+        hint=f"The counter's dtype is {jnp.dtype(dtype).name}.",  # pyright: ignore
+    )
 
 
 _ = jax  # keep the import for type checkers that resolve `jax.Array` via jaxtyping

@@ -9,7 +9,12 @@ from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
 from .._compat import Tracer
-from .._errors import StateTypeError, StateValueError, StateWriteError, is_whole
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    StateWriteError,
+    check_int,
+)
 from ._complex import refuse_complex
 
 
@@ -128,18 +133,9 @@ class KVCache(_LayerBase):
         on_overflow: Literal["raise", "nan"] = "raise",
     ):
         sizes = {"max_len": max_len, "num_heads": num_heads, "head_dim": head_dim}
-        for name, v in sizes.items():
-            if not is_whole(v):
-                raise StateTypeError(
-                    f"KVCache: {name} must be an int, got {v!r} of type "
-                    f"{type(v).__name__}."
-                )
-        max_len, num_heads, head_dim = int(max_len), int(num_heads), int(head_dim)
-        if max_len <= 0 or num_heads <= 0 or head_dim <= 0:
-            raise StateValueError(
-                "KVCache: max_len, num_heads and head_dim must be positive, got "
-                f"{max_len}, {num_heads}, {head_dim}."
-            )
+        max_len, num_heads, head_dim = (
+            check_int("KVCache", name, v, 1) for name, v in sizes.items()
+        )
         if on_overflow not in ("raise", "nan"):
             raise StateValueError(
                 f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."

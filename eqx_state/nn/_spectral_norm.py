@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._buffer import PowerIterationState, _LayerBase
-from .._errors import StateValueError
+from .._errors import StateValueError, check_int
 from ._flag import inference_flag
 
 
@@ -143,11 +143,9 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
         inference: bool = False,
         key: PRNGKeyArray,
     ):
-        if n_power_iterations <= 0:
-            raise StateValueError(
-                "SpectralNorm: n_power_iterations must be positive, got "
-                f"{n_power_iterations}."
-            )
+        n_power_iterations = check_int(
+            "SpectralNorm", "n_power_iterations", n_power_iterations, 1
+        )
         weight = getattr(layer, weight_name, None)
         if weight is None or not eqx.is_inexact_array(weight):
             raise StateValueError(

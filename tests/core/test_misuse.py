@@ -183,9 +183,17 @@ _INPUT_ERRORS = [
     ("Mean mask shape", "ValueError", r"`mask` has shape \(5,\)"),
     ("MeanStd weight shape", "ValueError", r"`sample_weight` has shape"),
     ("Counter string step", "TypeError", r"integer step"),
-    ("Counter step out of range", "ValueError", r"outside the range.*int32"),
-    ("Counter fractional start", "TypeError", r"`start` must be a whole number"),
-    ("Counter start out of range", "ValueError", r"`start` is 2147483648, outside"),
+    (
+        "Counter step out of range",
+        "ValueError",
+        r"`by` must be in \[-2147483648, 2147483647\].*dtype is int32",
+    ),
+    ("Counter fractional start", "TypeError", r"`start` must be an int, got 1.5"),
+    (
+        "Counter start out of range",
+        "ValueError",
+        r"`start` must be in \[-2147483648, 2147483647\], got 2147483648",
+    ),
     (
         "BatchNorm cell of another shape",
         "ValueError",
@@ -253,6 +261,99 @@ def test_counter_takes_whole_numbers_as_integer_arithmetic_does():
     assert int(c.value) == 5 - 1
     c.increment(-5)
     assert int(c.value) == (5 - 1 - 5) % 2**32
+
+
+# Every whole-number option of the library goes through one check
+# (`_errors.check_int`). Reference: Python's own rule for an integer argument,
+# `operator.index` (what `range` and list indexing take: ints, NumPy integers and
+# concrete 0-d integer arrays; not floats or strings), bools aside. Run without the
+# type-checking hook, as users run the library.
+_WHOLE_NUMBER_OPTIONS = r"""
+import json, operator
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+import eqx_state as es
+
+key = jax.random.key(0)
+lin = eqx.nn.Linear(4, 4, key=key)
+attn = es.nn.CausalSelfAttention(8, 2, key=key)
+
+def cached_batch(v):  # the number of sequences each cache holds
+    m = es.nn.with_kv_cache(attn, max_len=4, batch_size=v)
+    cells = [c for c in jax.tree.leaves(m, is_leaf=es.is_state) if es.is_state(c)]
+    return cells[0].shape[0]
+
+builders = {  # name: (build with the option set to v, a valid v, the smallest)
+    "BatchNorm num_features": (lambda v: es.nn.BatchNorm(v).num_features, 3, 1),
+    "KVCache max_len": (lambda v: es.nn.KVCache(v, 2, 4).max_len, 5, 1),
+    "with_kv_cache batch_size": (lambda v: cached_batch(v), 2, 1),
+    "SpectralNorm n_power_iterations": (
+        lambda v: es.nn.SpectralNorm(lin, n_power_iterations=v, key=key)
+        .n_power_iterations, 2, 1),
+    "CausalSelfAttention num_heads": (
+        lambda v: es.nn.CausalSelfAttention(8, v, key=key).num_heads, 2, 1),
+    "make_step microbatches": (
+        lambda v: es.make_step(lambda m: 0.0, optax.sgd(0.1), microbatches=v)
+        .microbatches, 2, 1),
+    "Counter start": (lambda v: int(es.nn.Counter(v).value), 5, -(2**31)),
+    "Accuracy top_k": (lambda v: es.metrics.Accuracy(top_k=v).top_k, 2, 1),
+    "Histogram bins": (lambda v: es.metrics.Histogram(v, range=(0, 1)).bins, 4, 1),
+    "MeanStd ddof": (lambda v: es.metrics.MeanStd(ddof=v).ddof, 1, 0),
+}
+
+def outcome(f, v):
+    try:
+        return ["ok", int(f(v))]
+    except Exception as e:
+        kind = "TypeError" if isinstance(e, TypeError) else (
+            "ValueError" if isinstance(e, ValueError) else type(e).__name__)
+        return [kind, isinstance(e, es.EqxStateError), str(e)]
+
+def python_rule(v):  # operator.index, bools refused
+    if isinstance(v, bool):
+        return "TypeError"
+    try:
+        return operator.index(v)
+    except TypeError:
+        return "TypeError"
+
+out = {}
+for name, (f, good, low) in builders.items():
+    for label, v in [("int", good), ("numpy", np.int64(good)), ("jax 0-d", jnp.int32(good)),
+                     ("float", float(good) + 0.5), ("string", str(good)), ("bool", True),
+                     ("jax 1-d", jnp.array([good])), ("below", low - 1)]:
+        out[f"{name} / {label}"] = [python_rule(v) if label != "below" else "below", outcome(f, v)]
+print(json.dumps(out))
+"""
+
+
+def test_every_whole_number_option_follows_python_s_integer_rule():
+    """Each size, count or step option takes what `operator.index` takes (an int, a
+    NumPy integer, a concrete 0-d integer array) as that number, and refuses the
+    rest with a `TypeError`, and a number below its least with a `ValueError`:
+    each an `EqxStateError` that names the builder and the option. (Before one
+    check served them all, `SpectralNorm(n_power_iterations=1.5)` and
+    `with_kv_cache(batch_size=2.5)` were taken, a string gave a bare `TypeError`,
+    and `Accuracy(top_k=jnp.int32(2))` was refused while `Counter` took it.)"""
+    run = subprocess.run(
+        [sys.executable, "-c", _WHOLE_NUMBER_OPTIONS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert len(got) == 10 * 8
+    for case, (rule, result) in got.items():
+        builder, option = case.split(" / ")[0].split(" ", 1)
+        if rule == "TypeError":
+            assert result[:2] == ["TypeError", True], (case, result)
+            assert builder in result[2] and option in result[2], case
+        elif rule == "below":
+            assert result[:2] == ["ValueError", True], (case, result)
+            assert builder in result[2] and option in result[2], case
+            assert ">=" in result[2] or "must be in [" in result[2], case
+        else:
+            assert result == ["ok", rule], (case, result)
 
 
 def test_counter_fractional_step_is_an_error(probes):

@@ -351,7 +351,7 @@ def test_a_wrong_option_type_is_refused_as_a_user_runs_it():
     assert lines[3:] == ["NumPy integers and bools accepted"], out.stderr[-2000:]
     lines = lines[:3]
     assert all(line.startswith("StateTypeError True ") for line in lines), lines
-    assert "microbatches must be a whole number" in lines[0]
+    assert "microbatches must be an int" in lines[0]
     assert "`has_aux` must be True or False" in lines[1]
     assert "must be callable" in lines[2]
 

@@ -163,7 +163,7 @@ def test_bad_momentum():
         ({"num_features": 2.5}, TypeError, "num_features .* must be an int"),
         ({"num_features": True}, TypeError, "must be an int, got True"),
         ({"num_features": "3"}, TypeError, "must be an int, got '3'"),
-        ({"num_features": 0}, ValueError, "must be positive, got 0"),
+        ({"num_features": 0}, ValueError, "must be >= 1, got 0"),
         ({"num_features": 3, "eps": -1.0}, ValueError, "eps must be non-neg"),
         ({"num_features": 3, "eps": "1"}, TypeError, "eps must be a Python"),
         ({"num_features": 3, "momentum": "a"}, TypeError, "momentum must"),

@@ -690,7 +690,7 @@ def test_batched_cache_needs_vmap():
     batch = es.to_refs(es.nn.with_kv_cache(attn, 8, batch_size=2))
     with pytest.raises(ValueError, match=r"holds a batch of sequences.*kv_cache_axes"):
         batch(jnp.ones((3, D)))
-    with pytest.raises(ValueError, match="batch_size must be positive"):
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
         es.nn.with_kv_cache(attn, 8, batch_size=0)
 
 
