@@ -28,7 +28,7 @@ import gc
 import math
 import warnings
 from collections.abc import Callable
-from operator import itemgetter
+from operator import is_not, itemgetter
 from typing import Any
 
 import equinox as eqx
@@ -409,8 +409,9 @@ class Compiled:
     - `jit_kwargs`: passed to `jax.jit`.
     - `name`: the name of the compiled function in JAX's logs and profiles.
     - `placement`: where arrays go on a mesh (`_sharding.Placement`), or None.
-    - `warn_recompile`: warn when array arguments change shape (a new `K` of a scan
-        compiles again by design: no warning there).
+    - `scanned`: the function runs a scan over the leading axis of every array
+        argument: a new length `K` compiles again by design, so the warning of a
+        recompile (`note_trace`) compares the arguments' shapes without that axis.
     """
 
     def __init__(
@@ -422,7 +423,7 @@ class Compiled:
         jit_kwargs: dict[str, Any],
         name: str = "eqx_state_call",
         placement: Any = None,
-        warn_recompile: bool = True,
+        scanned: bool = False,
     ):
         self.fn = fn
         self.name = name
@@ -434,15 +435,16 @@ class Compiled:
         self.trace_count = 0
         self._warned = False
         self._warned_numbers = False
-        self.warn_recompile = warn_recompile
+        self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
 
     def note_trace(self, plan: _Plan, argdyn: list) -> None:
         """At trace time: warn once when a plan is traced again because its array
         arguments changed shape or dtype (a ragged last batch, typically)."""
-        types = tuple((tuple(x.shape), str(x.dtype)) for x in argdyn)
+        lead = 1 if self.scanned else 0  # a scan's length K: not a ragged batch
+        types = tuple((tuple(x.shape[lead:]), str(x.dtype)) for x in argdyn)
         before, plan.arg_types = plan.arg_types, types
-        if before is None or before == types or self._warned or not self.warn_recompile:
+        if before is None or before == types or self._warned:
             return
         self._warned = True
         changed = [f"{a} -> {b}" for a, b in zip(before, types) if a != b]
@@ -619,15 +621,30 @@ class Compiled:
             return
         self._warned_numbers = True
         names = _leaf_names(sig.unflatten(leaves), changing)
+        # The fix depends on where the number is: an array in the optimizer state
+        # or an argument is a value; in the model, a bare array would be a
+        # parameter, which the optimizer trains.
+        fixes = {
+            "`opt_state": "in the optimizer state, make it an array, e.g. "
+            "`opt_state.hyperparams['learning_rate'] = jnp.asarray(lr, jnp.float32)` "
+            "(the state's dtype; a bare `jnp.asarray(lr)` is weakly typed) with "
+            "`optax.inject_hyperparams`",
+            "`model": "in the model, hold it in a state cell, "
+            "`es.Buffer(jnp.asarray(v, jnp.float32))` (read with `cell[...]`; "
+            "replace the cell between calls with `eqx.tree_at`), which the optimizer "
+            "does not train (a bare array field would be a trainable parameter)",
+            "`args": "an argument: pass an array, `jnp.asarray(v, jnp.float32)`",
+            "`kwargs": "an argument: pass an array, `jnp.asarray(v, jnp.float32)`",
+        }
+        advice = dict.fromkeys(
+            fix for root, fix in fixes.items() for n in names if n.startswith(root)
+        )
         warnings.warn(
             f"`{self.name}` is compiled again at every change of "
             f"{', '.join(names)}: a Python number is static (part of the "
             "compilation key, as in `eqx.filter_jit`), so each new value compiles "
-            "the step again. Make it an array, e.g. "
-            "`opt_state.hyperparams['learning_rate'] = jnp.asarray(lr, jnp.float32)` "
-            "(the state's dtype; a bare `jnp.asarray(lr)` is weakly typed) with "
-            "`optax.inject_hyperparams`, to change it without compiling. This "
-            "warning is shown once per step (`eqx_state.RecompileWarning`).",
+            f"the step again. To change it without compiling: {'; '.join(advice)}. "
+            "This warning is shown once per step (`eqx_state.RecompileWarning`).",
             RecompileWarning,
             stacklevel=user_stacklevel(),
         )
@@ -668,14 +685,50 @@ class Owned:
     """A carry handed over to a `Compiled` for a run of calls: it is flattened once,
     kept as flat arrays between calls, and rebuilt only on `release()`. Each call
     goes through `Compiled.call_flat`, as every other call does, and reads its
-    arguments; the carry is read once, when it is handed over, so it must not be
-    changed meanwhile (its donated arrays are consumed by the first call, so a stale
-    use of it raises)."""
+    arguments.
+
+    What the caller can still change in the carry it handed over is what a
+    mutable container holds (a dict or a list: the `hyperparams` of an
+    `optax.inject_hyperparams` state, a list in the model). Each call reads those,
+    as a step call reads its whole carry: a slot given a new value since the last
+    call (compared by identity: the container's slot was reassigned) takes it in
+    the owned leaves. Arrays are values, so nothing else can change; the donated
+    arrays of the carry are consumed by the first call, so a stale use raises."""
 
     def __init__(self, compiled: Compiled, carry: tuple):
         self._compiled = compiled
         self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
         self._released = False
+        self._watch(carry)
+
+    def _watch(self, carry: tuple) -> None:
+        """Keep the carry's mutable containers, each with what it holds now (and
+        the carry itself and its leaves as given, to read a change from), or
+        nothing at all if it has none."""
+        self._mutable = _mutable_nodes(carry)
+        self._given = carry if self._mutable else None
+        self._taken = jax.tree_util.tree_leaves(carry) if self._mutable else None
+
+    def _take_changes(self) -> None:
+        """A slot of a mutable container was reassigned: read the carry again and
+        take each leaf that is not the one it held when last read."""
+        given, taken = self._given, self._taken
+        assert given is not None and taken is not None
+        leaves, treedef = jax.tree_util.tree_flatten(given)
+        if treedef != self._treedef:
+            raise StepError(
+                "A list or dict of the model or optimizer state that `step.own` "
+                "took over was changed in its structure (an entry added or removed, "
+                "or a value of another structure) while the loop owns it "
+                f"(before: {self._treedef}, now: {treedef}). Release the loop "
+                "(`model, opt_state = loop.release()`), change what it returns, "
+                "and `own` that."
+            )
+        self._leaves = [
+            cur if new is old else new
+            for new, old, cur in zip(leaves, taken, self._leaves)
+        ]
+        self._watch(given)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         if self._released:
@@ -683,6 +736,8 @@ class Owned:
                 "This loop was released: it no longer holds the model. Call "
                 "`step.own(model, opt_state)` again with what `release()` returned."
             )
+        if self._mutable and _changed(self._mutable):
+            self._take_changes()
         with GcPaused():
             self._leaves, result = self._compiled.call_flat(
                 self._leaves, self._treedef, args, kwargs
@@ -691,8 +746,46 @@ class Owned:
 
     def release(self) -> tuple:
         """The carry, rebuilt from the arrays the last call returned."""
+        if self._mutable and _changed(self._mutable):
+            self._take_changes()
         self._released = True
+        self._given = self._taken = None
         return jax.tree_util.tree_unflatten(self._treedef, self._leaves)
+
+
+def _mutable_nodes(tree: Any) -> list[tuple[Any, Any]]:
+    """Each dict and list of the pytree `tree` with a snapshot of its slots: for a
+    dict its items, for a list its values (every container, nested ones too)."""
+    out: list[tuple[Any, Any]] = []
+
+    def visit(x: Any) -> None:
+        if isinstance(x, dict):
+            out.append((x, dict(x)))
+        elif isinstance(x, list):
+            out.append((x, list(x)))
+        children = jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)
+        if len(children) != 1 or children[0] is not x:  # a leaf is its own child
+            for child in children:
+                visit(child)
+
+    visit(tree)
+    return out
+
+
+_GONE = object()
+
+
+def _changed(nodes: list[tuple[Any, Any]]) -> bool:
+    """Whether a slot of a container of `_mutable_nodes` was reassigned since."""
+    for node, was in nodes:
+        if len(node) != len(was):
+            return True
+        if isinstance(node, dict):
+            if any(node.get(k, _GONE) is not v for k, v in was.items()):
+                return True
+        elif any(map(is_not, node, was)):
+            return True
+    return False
 
 
 def _is_committed(x: Any) -> bool:
@@ -897,17 +990,21 @@ def _check_refs_on_mesh(e: Exception, refs: list, mesh: Any) -> None:
 
 
 def _unhashable_message(carry: Any, args: Any, kwargs: Any) -> str:
+    tree = (carry, args, kwargs)
+    leaves = jax.tree_util.tree_leaves(tree)
     bad = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path((carry, args, kwargs))[0]:
+    for j, leaf in enumerate(leaves):
         if _kind(leaf) == _STATIC:
             try:
                 hash(leaf)
             except TypeError:
-                bad.append(f"{path_str(path)} ({type(leaf).__name__})")
+                bad.append(j)
+    names = _leaf_names(tree, bad[:5])  # by path, as every message names leaves
+    listed = [f"{n} ({type(leaves[j]).__name__})" for n, j in zip(names, bad)]
     return (
         "Leaves that are not arrays are static (part of the compilation key, as in "
         "`eqx.filter_jit`) and must be hashable; these are not: "
-        + ", ".join(bad[:5])
+        + ", ".join(listed)
         + ". Make them arrays (`jnp.asarray`), or mark the field "
         "`eqx.field(static=True)` with a hashable value."
     )

@@ -137,7 +137,7 @@ class Step:
                 placement=None
                 if mesh is None
                 else Placement(mesh, layout, data_axis, batch_axis),
-                warn_recompile=batch_axis == 0,  # a new K compiles again, by design
+                scanned=batch_axis == 1,  # the scan's: a new K compiles, by design
             )
             for f, name, batch_axis in (
                 (fn, "eqx_state_step", 0),
@@ -285,9 +285,12 @@ class Step:
         the same compiled program as `step(...)`, with the same results.
 
         While the loop owns them, the model and the optimizer state given to `own`
-        must not be used or changed (their arrays are donated by the first step, so
-        using them raises `StaleModelError`; a change to them in place, e.g. an
-        optimizer hyperparameter, would not be seen). To change either, `release()`,
+        must not be used (their arrays are donated by the first step, so using them
+        raises `StaleModelError`). What a list or dict of theirs holds may be set in
+        place, as between step calls: an optimizer hyperparameter
+        (`opt_state.hyperparams['learning_rate'] = ...` with
+        `optax.inject_hyperparams`) is read by the next step, as a step call reads
+        it. A change of structure (an entry added or removed) raises: `release()`,
         change, and `own` again.
 
         **Example:**
@@ -442,7 +445,7 @@ class Apply:
             donate_policy=cells_only,
             jit_kwargs=jit_kwargs,
             name="eqx_state_apply_scan",
-            warn_recompile=False,  # a new K compiles again, by design
+            scanned=True,
         )
 
     @property

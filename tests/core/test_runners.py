@@ -102,8 +102,10 @@ def first_call(runner, step, model, opt_state, *stacked):
     return step.own(model, opt_state)(*(a[0] for a in stacked))
 
 
-def reference(opt):
-    """The same K steps, threaded by hand in pure JAX over the same layers."""
+def reference(opt, lrs=None):
+    """The same K steps, threaded by hand in pure JAX over the same layers (with
+    `lrs`: the learning rate of an `optax.inject_hyperparams` state set before each
+    step, as optax's docs set it)."""
     net = Net(jax.random.key(0))
     lin1, lin2 = net.lin1.layer, net.lin2.layer
     params = (lin1, lin2, jnp.ones(8), jnp.zeros(8))  # BatchNorm's affine too
@@ -114,7 +116,9 @@ def reference(opt):
     opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
     xs, ys = data()
     losses = []
-    for x, y in zip(xs, ys):
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if lrs is not None:
+            opt_state.hyperparams["learning_rate"] = lrs[i]
         ema = jax.tree.map(
             lambda h, p: 0.5 * h + 0.5 * p,
             ema,
@@ -327,6 +331,76 @@ def test_a_python_value_the_optimizer_advances_reaches_every_call(runner):
         model.lin1.layer.weight, params[0].weight, rtol=1e-4, atol=1e-6
     )
     np.testing.assert_allclose(model.bn.running_mean[...], mean, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("as_array", [False, True], ids=["float", "array"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_learning_rate_set_in_place_before_each_step_takes_effect_on_every_runner(
+    runner, mode, as_array
+):
+    """Arrays are values and each call reads what it is given: a learning rate set
+    in place (`opt_state.hyperparams[...] = lr`) before each step is the one that
+    step uses, on K calls, K scans of one step, and the owned loop (which took the
+    optimizer state over: the loop read its first value only, and trained at 0.1
+    where the schedule said 0.0). Reference: the hand-threaded loop, setting the
+    rate as optax's docs do."""
+    lrs = (0.1, 0.0, 0.05)
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    model = Net(jax.random.key(0))
+    if mode == "ref":
+        model = es.to_refs(model)
+    step = es.make_step(loss_fn, opt, return_loss=True)
+    opt_state = step.init(model)
+    xs, ys = data()
+    lr = (lambda v: jnp.asarray(v, jnp.float32)) if as_array else float
+    losses = []
+    with warnings.catch_warnings():  # a new Python float each step: a new program
+        warnings.simplefilter("ignore", es.RecompileWarning)
+        if runner == "own":
+            loop = step.own(model, opt_state)
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                opt_state.hyperparams["learning_rate"] = lr(lrs[i])  # the given one
+                losses.append(loop(x, y))
+            model, opt_state = loop.release()
+        else:
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                opt_state.hyperparams["learning_rate"] = lr(lrs[i])
+                if runner == "step":
+                    model, opt_state, loss = step(model, opt_state, x, y)
+                else:
+                    model, opt_state, loss = step.scan(
+                        model, opt_state, x[None], y[None]
+                    )
+                    loss = loss[0]
+                losses.append(loss)
+    params, mean, *_, ref_losses = reference(opt, lrs)
+    np.testing.assert_allclose(jnp.stack(losses), ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.lin1.layer.weight, params[0].weight, rtol=1e-4, atol=1e-6
+    )
+    np.testing.assert_allclose(model.bn.running_mean[...], mean, rtol=1e-4, atol=1e-6)
+    assert np.float32(opt_state.hyperparams["learning_rate"]) == np.float32(lrs[-1])
+
+
+def test_the_owned_loop_refuses_a_change_of_structure_in_place():
+    """An entry added to a dict the loop took over cannot be taken into its flat
+    arrays: a `StepError` says to release and own again, and the loop still
+    holds what it had."""
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, opt, return_loss=True)
+    opt_state = step.init(model)
+    xs, ys = data()
+    loop = step.own(model, opt_state)
+    loop(xs[0], ys[0])
+    opt_state.hyperparams["momentum"] = 0.9
+    with pytest.raises(es.StepError, match=r"changed in its structure.*release"):
+        loop(xs[1], ys[1])
+    del opt_state.hyperparams["momentum"]
+    loop(xs[1], ys[1])
+    model, _ = loop.release()
+    assert int(model.bn.num_batches_tracked[...]) == 2
 
 
 class _Scale(eqx.Module):

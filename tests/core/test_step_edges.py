@@ -4,6 +4,7 @@ own loop, JAX's own error."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import equinox as eqx
@@ -134,6 +135,91 @@ def test_a_python_float_that_keeps_changing_warns_naming_the_leaf():
             state.hyperparams["learning_rate"] = jnp.asarray(lr)
             model, state = step(model, state, x, y)
     assert step.trace_count == 1
+
+
+class _Scaled(eqx.Module):
+    lin: eqx.nn.Linear
+    scale: list
+
+    def __call__(self, x):
+        s = self.scale[0]
+        return self.lin(x) * (s[...] if isinstance(s, es.Buffer) else s)
+
+
+def test_a_changing_number_in_the_model_gets_advice_that_keeps_it_untrained():
+    """A Python number of the model that keeps changing warns with the fix for a
+    model: a state cell (a bare array there is a parameter, which the optimizer
+    trains: the advice to make it an array did that). Followed, the value changes
+    without a new compilation, each step uses it, and it stays as set. Reference:
+    `jax.grad` of the same loss by hand."""
+    lin = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    x, y = jnp.ones((4, 2)), jnp.zeros(4)
+    step = es.make_step(_mse, optax.sgd(0.1), donate=False)
+    model = _Scaled(lin, [1.0])
+    state = step.init(model)
+    with pytest.warns(es.RecompileWarning) as caught:
+        for scale in (1.0, 2.0, 3.0):
+            model.scale[0] = scale
+            model, state = step(model, state, x, y)
+    message = str(caught[0].message)
+    assert "`model.scale[0]`" in message and "es.Buffer(" in message
+    assert "hyperparams" not in message  # the optimizer state's fix is not this
+    model = _Scaled(lin, [es.Buffer(jnp.asarray(1.0, jnp.float32))])
+    step = es.make_step(_mse, optax.sgd(0.1), donate=False)
+    state = step.init(model)
+    ref = lin
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for scale in (2.0, 3.0, 4.0):
+            model = eqx.tree_at(
+                lambda m: m.scale[0], model, es.Buffer(jnp.asarray(scale, jnp.float32))
+            )
+            model, state = step(model, state, x, y)
+            grads = jax.grad(lambda m, s=scale: _mse(lambda v: m(v) * s, x, y))(ref)
+            ref = jax.tree.map(lambda p, g: p - 0.1 * g, ref, grads)
+            assert float(model.scale[0][...]) == scale  # set, not trained
+    assert step.trace_count == 1
+    np.testing.assert_allclose(model.lin.weight, ref.weight, rtol=1e-6)
+
+
+def test_a_scan_warns_of_a_new_batch_shape_but_not_of_a_new_length():
+    """`step.scan` and `make_apply(...).scan` warn, as a step does, when the batch
+    inside each step changes shape (a ragged last batch); a new number of steps
+    K compiles again by design and does not warn."""
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    step = es.make_step(_mse, optax.sgd(0.1), donate=False)
+    state = step.init(model)
+    apply_fn = es.make_apply(lambda m, x: jax.vmap(m)(x))
+    for scan in (
+        lambda xs: step.scan(model, state, xs, xs[..., 0]),
+        lambda xs: apply_fn.scan(model, xs),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scan(jnp.ones((3, 8, 2)))
+            scan(jnp.ones((5, 8, 2)))  # a new K
+        with pytest.warns(
+            es.RecompileWarning, match=r"\(\(8, 2\), 'float32'\) -> \(\(5, 2\)"
+        ):
+            scan(jnp.ones((5, 5, 2)))  # a short batch in each step
+
+
+def test_an_unhashable_static_leaf_is_named_by_its_path():
+    """The error names each unhashable leaf as every message names leaves:
+    `args[i]`, `kwargs[...]`, `model....`."""
+    step = es.make_step(
+        lambda m, x, tags=None, opts=None: _mse(m, x, x[:, 0]), optax.sgd(0.1)
+    )
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    state = step.init(model)
+    x = jnp.ones((4, 2))
+    for call, name in (
+        (lambda: step(model, state, x, {1}), "`args[1]` (set)"),
+        (lambda: step(model, state, x, opts={1}), "`kwargs['opts']` (set)"),
+        (lambda: step(_Scaled(model, [{1}]), state, x), "`model.scale[0]` (set)"),
+    ):
+        with pytest.raises(es.StepError, match=re.escape(name)):
+            call()
 
 
 def test_a_runtime_error_of_the_first_step_is_reported_as_itself():
