@@ -124,7 +124,9 @@ class CheckpointError(StateError):
     object not open for writing); a tree, shape, dtype or array kind that differs
     from the model it is loaded into; a leaf that no checkpoint could restore (a
     string or object array, a value inside a `jit` trace); or a ref-mode model that
-    holds one ref at two places (refused by every persistence path)."""
+    holds one ref at two places (refused by `es.save`, `es.to_orbax` and
+    `es.state_dict`; `es.serialise_filter_spec` sees one leaf at a time and cannot
+    tell, see the Equinox page of the docs)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -234,8 +236,9 @@ def _little(arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr, dtype=arr.dtype.newbyteorder("<"), order="C")
 
 
-def _check_dtype(name: str, dtype: np.dtype) -> None:
-    """The one rule on array dtypes, shared by `es.save` and `es.to_orbax`."""
+def _check_dtype(leaf: str, dtype: np.dtype) -> None:
+    """The one rule on array dtypes of every persistence path (`saved_value`), for
+    the `leaf` (`"leaf at ['x']"`)."""
     if dtype.name in _DTYPES:
         return
     if dtype.kind in "fc":  # NumPy's longdouble / clongdouble: wider than any above
@@ -243,7 +246,7 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
         if dtype.kind == "c":
             wide, std = ("clongdouble", "complex128")
         raise CheckpointError(
-            f"Cannot save the leaf at {name}: it is an array of dtype {dtype}, "
+            f"Cannot save the {leaf}: it is an array of dtype {dtype}, "
             f"NumPy's extended precision (`np.{wide}`), which JAX has no dtype for "
             "and whose bytes differ between machines (x87 80-bit padded to 96 or 128 "
             "bits, or IEEE quadruple), so no checkpoint can restore it exactly. "
@@ -251,7 +254,7 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
             "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`)."
         )
     raise CheckpointError(
-        f"Cannot save the leaf at {name}: it is an array of dtype {dtype} "
+        f"Cannot save the {leaf}: it is an array of dtype {dtype} "
         f"({dtype.kind!r} kind), which no checkpoint can restore as an array "
         "(strings, objects, records and dates are not numbers). Keep such values "
         "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`), "
@@ -259,14 +262,37 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
     )
 
 
-def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
-    """The header entry and the host array of one leaf."""
-    if isinstance(leaf, Tracer):
+def saved_value(x: Any, caller: str, leaf: str, cell: str | None = None) -> Any:
+    """The one rule of every persistence path (`es.save`, `es.to_orbax`,
+    `es.serialise_filter_spec`) for one leaf `x`: the value to write (a ref-mode
+    cell's is a snapshot of its array), or None for a leaf that is not state (a
+    function, a string: written by no path). A tracer, an array a donating step
+    consumed, and a NumPy dtype no checkpoint restores (`_check_dtype`) are
+    refused, naming `caller` and the leaf: `leaf` (`"leaf at ['x']"`) and, for a
+    ref, `cell` (`"ref-mode cell at ['x']"`; `leaf` if None)."""
+    if isinstance(x, Tracer):
         raise CheckpointError(
-            f"Cannot save the leaf at {name}: it is a tracer (`es.save` was called "
+            f"Cannot save the {leaf}: it is a tracer (`{caller}` was called "
             "inside `jax.jit`, `grad` or `vmap`). Save outside transformed code, on the "
             "values the transformed function returns."
         )
+    if isinstance(x, jax.Ref):
+        return _read_ref(x, cell or leaf)
+    if isinstance(x, jax.Array):
+        _check_live(x, leaf)
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        _check_dtype(leaf, np.asarray(x).dtype)
+        return x
+    if _is_python_scalar(x):
+        return x
+    return None
+
+
+def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
+    """The header entry and the host array of one leaf (`saved_value`'s rule)."""
+    entry: dict[str, Any] = {"kind": "jax", "ref": isinstance(leaf, jax.Ref)}
+    leaf = saved_value(leaf, "es.save", f"leaf at {name}", f"ref-mode cell at {name}")
     if _is_python_scalar(leaf):
         type_name = type(leaf).__name__
         dtype = _PYTHON_TYPES[type_name][1]
@@ -278,17 +304,9 @@ def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
         entry = {"kind": "python", "python_type": type_name}
         return entry, np.asarray(leaf, dtype=dtype)
     if isinstance(leaf, np.generic):
-        arr = _little(np.asarray(leaf))
-        _check_dtype(name, arr.dtype)
-        return {"kind": "numpy_scalar"}, arr
+        return {"kind": "numpy_scalar"}, _little(np.asarray(leaf))
     if isinstance(leaf, np.ndarray):
-        arr = _little(leaf)
-        _check_dtype(name, arr.dtype)
-        return {"kind": "numpy"}, arr
-    entry: dict[str, Any] = {"kind": "jax", "ref": isinstance(leaf, jax.Ref)}
-    if isinstance(leaf, jax.Ref):
-        leaf = _read_ref(leaf, f"The ref-mode cell at {name}")
-    _check_live(leaf, f"The leaf at {name}")
+        return {"kind": "numpy"}, _little(leaf)
     if not leaf.is_fully_addressable:
         raise CheckpointError(
             f"Cannot save the leaf at {name}: it is sharded over devices of several "
@@ -301,7 +319,7 @@ def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
         leaf = jax.random.key_data(leaf)
     weak = bool(getattr(leaf, "weak_type", False))
     arr = _little(np.asarray(leaf))
-    _check_dtype(name, arr.dtype)
+    _check_dtype(f"leaf at {name}", arr.dtype)
     if weak and _weak_fill(arr.dtype) is None:
         raise CheckpointError(
             f"Cannot save the leaf at {name}: it is a weakly typed {arr.dtype} array, "

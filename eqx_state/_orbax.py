@@ -11,13 +11,11 @@ import numpy as np
 
 from ._checkpoint import (
     CheckpointError,
-    _check_dtype,
-    _check_live,
     _check_refs_unshared,
     _is_python_scalar,
     _make_weak,
     _numpy_leaf,
-    _read_ref,
+    saved_value,
 )
 from ._compat import Tracer
 from ._modes import with_witnesses, without_witnesses
@@ -28,24 +26,20 @@ def _where(path: Any) -> str:
 
 
 def _saveable(path: Any, x: Any) -> Any:
-    if isinstance(x, Tracer):
-        raise CheckpointError(
-            f"Cannot checkpoint the leaf at {_where(path)}: it is a tracer (the save "
-            "was called inside `jax.jit`, `grad` or `vmap`). Save outside transformed "
-            "code."
-        )
-    if isinstance(x, jax.Ref):
-        return _read_ref(x, f"The ref-mode cell at {_where(path)}")
-    if isinstance(x, jax.Array):
-        _check_live(x, f"The leaf at {_where(path)}")
-        return x
-    if isinstance(x, np.ndarray | np.generic):
+    """The leaf as Orbax writes it, by the rule of every persistence path
+    (`_checkpoint.saved_value`); None (skipped) for what is not state."""
+    where = _where(path)
+    x = saved_value(x, "es.to_orbax", f"leaf at {where}", f"ref-mode cell at {where}")
+    if isinstance(x, np.generic | complex):
         x = np.asarray(x)  # Orbax stores NumPy scalars as 0-d arrays
-        _check_dtype(_where(path), x.dtype)
-        return x
-    if _is_python_scalar(x):
-        return np.asarray(x) if isinstance(x, complex) else x
-    return None  # functions, strings, static configuration: not state
+    if isinstance(x, jax.Array | np.ndarray) and x.size == 0:
+        raise CheckpointError(
+            f"Cannot checkpoint the leaf at {_where(path)} with Orbax: it is an "
+            f"array of shape {tuple(x.shape)}, with no elements, and Orbax refuses "
+            "to save an array of zero size. Save the tree with `es.save` (which "
+            "writes it), or keep the empty array out of the saved tree."
+        )
+    return x
 
 
 def to_orbax(tree: Any) -> Any:

@@ -21,11 +21,10 @@ import jax.numpy as jnp
 
 from ._checkpoint import (
     CheckpointError,
-    _check_live,
     _is_key_dtype,
     _key_impl_of_dtype,
     _make_weak,
-    _read_ref,
+    saved_value,
 )
 from ._modes import _WITNESS_DTYPE
 
@@ -54,11 +53,14 @@ def _is_witness(f: Any, x: Any) -> bool:
 def _what(x: Any) -> str:
     """The leaf being written, for an error message. A filter spec does not see the
     leaf's path; Equinox's `TreePathError`, raised from the error, names it."""
-    kind = "a ref-mode cell" if isinstance(x, jax.Ref) else "an array"
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        kind = "a ref-mode cell" if isinstance(x, jax.Ref) else "an array"
+        kind = f"{kind} of {x.dtype}{list(x.shape)}"
+    else:
+        kind = f"a {type(x).__name__}"
     return (
-        f"leaf that `eqx.tree_serialise_leaves` was writing ({kind} of "
-        f"{x.dtype}{list(x.shape)}; Equinox's `TreePathError`, raised from this "
-        "error, names its path)"
+        f"leaf that `eqx.tree_serialise_leaves` was writing ({kind}; Equinox's "
+        "`TreePathError`, raised from this error, names its path)"
     )
 
 
@@ -94,16 +96,13 @@ def serialise_filter_spec(f: Any, x: Any) -> None:
     """
     if _is_witness(f, x):
         return  # derived from its cell: not saved
-    ref = x if isinstance(x, jax.Ref) else None
-    if ref is not None:
-        x = _read_ref(ref, _what(ref))
-    if isinstance(x, jax.Array):
-        _check_live(x, _what(x))
-        if _is_key_dtype(x.dtype):
-            x = jax.random.key_data(x)
-    eqx.default_serialise_filter_spec(f, x)
-    if ref is not None:
-        _after_ref(f, ref)
+    # the rule of every persistence path (`es.save`, `es.to_orbax`)
+    value = saved_value(x, "eqx.tree_serialise_leaves", _what(x))
+    if isinstance(value, jax.Array) and _is_key_dtype(value.dtype):
+        value = jax.random.key_data(value)
+    eqx.default_serialise_filter_spec(f, x if value is None else value)
+    if isinstance(x, jax.Ref):
+        _after_ref(f, x)
 
 
 def deserialise_filter_spec(f: Any, x: Any) -> Any:
@@ -128,10 +127,13 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
         return x if isinstance(x, jax.Array) else jnp.zeros(x.shape, x.dtype)
     if isinstance(x, jax.Ref):
         value = _read_leaf(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
-        if value.shape != x.shape:
+        if value.shape != x.shape or value.dtype != x.dtype:
+            # (Equinox checks an array's shape and dtype; a ref is no array to it)
             raise CheckpointError(
-                f"A ref-mode cell of shape {x.shape} was saved with shape "
-                f"{value.shape}: the file was saved from a different model."
+                f"A ref-mode cell of {x.dtype}{list(x.shape)} was saved as "
+                f"{value.dtype}{list(value.shape)}: the file was saved from a "
+                "different model. Load it into the model it was saved from (or "
+                "convert the file's leaf and save it again)."
             )
         _after_ref(f, x)
         return jax.new_ref(value, kind=getattr(jax.typeof(x), "kind", None))

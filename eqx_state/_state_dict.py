@@ -162,7 +162,10 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
 
     A `dict` from names to NumPy arrays (`jax.ShapeDtypeStruct`s where the model
     is abstract). For PyTorch:
-    `torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})`.
+    `torch_model.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})`;
+    `torch.from_numpy` takes no bfloat16 (NumPy has none; these are `ml_dtypes`
+    arrays): convert such an entry by its bits,
+    `torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16)`.
 
     **Raises:**
 

@@ -177,6 +177,86 @@ def test_es_filter_specs_reject_a_different_ref_shape(tmp_path):
     assert isinstance(root_cause(info.value), es.CheckpointError)
 
 
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [(jnp.int32, jnp.uint8), (jnp.float32, jnp.float16), (jnp.float32, jnp.int32)],
+)
+def test_es_filter_specs_reject_a_different_ref_dtype(tmp_path, saved, loaded):
+    """A ref-mode `like` of another dtype is refused as Equinox refuses a
+    value-mode one (the reference: Equinox's own check, which does not see a ref):
+    an int32 count of 300 came back as int32 in a uint8 model."""
+    cell = es.Buffer(jnp.full((3,), 300, saved))
+    eqx.tree_serialise_leaves(
+        tmp_path / "m.eqx", es.to_refs(cell), filter_spec=es.serialise_filter_spec
+    )
+    like = es.Buffer(jnp.zeros((3,), loaded))
+    with pytest.raises(RuntimeError, match="changed dtype"):  # Equinox, value mode
+        eqx.tree_deserialise_leaves(
+            tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
+        )
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_deserialise_leaves(
+            tmp_path / "m.eqx", es.to_refs(like), filter_spec=es.deserialise_filter_spec
+        )
+    cause = root_cause(info.value)
+    assert isinstance(cause, es.CheckpointError)
+    assert f"{jnp.dtype(loaded)}[3] was saved as {jnp.dtype(saved)}[3]" in str(cause)
+
+
+def _refusal(path, tmp_path, tree):
+    """The error of one persistence path saving `tree`, or None."""
+    try:
+        if path == "es.save":
+            es.save(tmp_path / "c", tree)
+        elif path == "es.to_orbax":
+            es.to_orbax(tree)
+        else:
+            eqx.tree_serialise_leaves(
+                tmp_path / "m.eqx", tree, filter_spec=es.serialise_filter_spec
+            )
+    except Exception as e:  # Equinox wraps the filter spec's error
+        return root_cause(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        np.array(["a", "bc"]),
+        np.array([object()], dtype=object),
+        np.zeros(2, dtype=[("a", "f4")]),
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
+        np.str_("x"),
+    ],
+    ids=["str", "object", "record", "datetime", "str scalar"],
+)
+def test_every_persistence_path_refuses_what_no_checkpoint_restores(tmp_path, leaf):
+    """One rule for every path (`_checkpoint.saved_value`): Equinox's path wrote
+    these (an object array as a pickle that Equinox then failed to read back)."""
+    tree = {"ok": jnp.ones(1), "bad": leaf}
+    errors = {
+        path: _refusal(path, tmp_path, tree)
+        for path in ("es.save", "es.to_orbax", "eqx.tree_serialise_leaves")
+    }
+    for path, error in errors.items():
+        assert isinstance(error, es.CheckpointError), (path, error)
+        assert f"dtype {np.asarray(leaf).dtype}" in str(error), (path, error)
+
+
+def test_every_persistence_path_refuses_a_tracer(tmp_path):
+    for path in ("es.save", "es.to_orbax", "eqx.tree_serialise_leaves"):
+        errors = []
+
+        @jax.jit
+        def f(x, path=path, errors=errors):
+            errors.append(_refusal(path, tmp_path, {"x": x}))
+            return x
+
+        f(jnp.ones(2))
+        assert isinstance(errors[0], es.CheckpointError), (path, errors)
+        assert f"tracer (`{path}` was called inside" in str(errors[0])
+
+
 # ------------------------------------------------------ the file is the frozen model's
 
 

@@ -197,6 +197,17 @@ def test_to_orbax_refuses_tracers_and_text():
         jax.jit(lambda x: es.to_orbax({"x": x}))(jnp.ones(2))
 
 
+def test_to_orbax_refuses_an_empty_array_that_orbax_cannot_write(tmp_path):
+    """Orbax's save fails on a zero-size array with a bare `ValueError` after
+    `to_orbax` took it; it is refused by name, with `es.save`, which writes it, as
+    the fix."""
+    tree = {"w": jnp.ones(2), "empty": jnp.zeros((0, 4))}
+    with pytest.raises(es.CheckpointError, match=r"\['empty'\].*zero size.*es.save"):
+        es.to_orbax(tree)
+    es.save(tmp_path / "c", tree)
+    assert es.load(tmp_path / "c", like=tree)["empty"].shape == (0, 4)
+
+
 @pytest.mark.skipif(
     np.dtype(np.longdouble).itemsize == 8, reason="longdouble is float64 here"
 )

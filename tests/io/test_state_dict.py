@@ -719,3 +719,16 @@ def test_a_bfloat16_torch_batch_norm_loads_exactly():
         TypeError, match=r"num_batches_tracked.*\.to\(torch\.int32\)`.*int32\)`\.$"
     ):
         es.load_state_dict(es.nn.BatchNorm(3, dtype=jnp.bfloat16), count)
+    # and back, by the documented recipe (`torch.from_numpy` takes no bfloat16):
+    # PyTorch's module holds the same bits
+    back = torch.nn.BatchNorm1d(3).to(torch.bfloat16)
+
+    def to_torch(v):
+        if v.dtype == jnp.bfloat16:
+            return torch.from_numpy(v.view(np.uint16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(v.copy())
+
+    sd = es.state_dict(m)
+    back.load_state_dict({k: to_torch(v) for k, v in sd.items()})
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, t.state_dict()[k].to(v.dtype)), k
