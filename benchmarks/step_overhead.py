@@ -19,7 +19,10 @@ recommend it):
   `es_owned` (an explicit-ownership loop).
 - Equinox: `eqx_jit` (expert: `jax.jit` on the same Equinox model with the
   statistics threaded by hand, everything donated: issue 11's limit for a library
-  whose models are Equinox modules), `equinox_flat` (expert: `eqx.nn.State` with
+  whose models are Equinox modules), `eqx_jit_cells` (a diagnostic: `jax.jit` by
+  hand on `es_value`'s own model, cells included, so that (es_value −
+  eqx_jit_cells) is what eqx_state's call adds and (eqx_jit_cells − eqx_jit) what
+  the cells cost as pytree nodes), `equinox_flat` (expert: `eqx.nn.State` with
   Equinox's low-overhead loop, flat leaves through `eqx.filter_jit`), `equinox`
   (default usage: `eqx.nn.State` + `eqx.filter_jit`).
 - Flax NNX: `nnx_jit_partial`, `nnx_jit_tree` (expert: tree mode, donated),
@@ -244,6 +247,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 # code form) and `source` (where the family's docs recommend that form).
 
 REFERENCE, ES, EXPERT, DEFAULT = "reference", "eqx_state", "expert", "default usage"
+# Not a form anyone recommends: a variant that splits another's time into parts.
+DIAGNOSTIC = "diagnostic"
 
 
 class Runner:
@@ -672,6 +677,85 @@ class EqxJit(Runner):
             "mean": [np.asarray(m) for m, _ in self.stats],
             "var": [np.asarray(v) for _, v in self.stats],
         }
+
+
+class EqxJitCells(Runner):
+    """Where the cost of a model with cells goes: `jax.jit` by hand on eqx_state's
+    own model (`EsNet`, its cells as pytree nodes), the statistics computed as
+    `eqx_jit` computes them and put into the cells with `eqx.tree_at`. It passes
+    and returns exactly the pytree `es_value` does, with no eqx_state code in the
+    call: (es_value − eqx_jit_cells) is what eqx_state's call adds,
+    (eqx_jit_cells − eqx_jit) what the cells cost as pytree nodes."""
+
+    name = "eqx_jit_cells"
+    label = (
+        "jax.jit on eqx_state's own model (cells as pytree nodes), statistics by hand"
+    )
+    family, usage = "Equinox", DIAGNOSTIC
+    form = (
+        "jax.jit(step, donate_argnums=(0, 1)) over step(model, opt_state, x, y); "
+        "model: es_value's model, cells included; new statistics put into the cells "
+        "with eqx.tree_at"
+    )
+    source = "none: a decomposition of es_value's time, not a recommended form"
+
+    def __init__(self, params, bn_state, data, *, residual=False):
+        del bn_state  # es.nn.BatchNorm starts at PyTorch's init (mean 0, var 1)
+        optimizer = optax.adam(LR)
+        self.model = EsNet(fresh(params), residual)
+        is_param = eqx.is_inexact_array
+        params_only, _ = eqx.partition(self.model, is_param, is_leaf=es.is_state)
+        self.opt_state = optimizer.init(params_only)
+        self.x, self.y = data
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(model, opt_state, x, y):
+            diff, rest = eqx.partition(model, is_param, is_leaf=es.is_state)
+
+            def loss_fn(diff):
+                m = eqx.combine(diff, rest)
+                h, new_stats = x, []
+                for lay, bn in zip(m.layers, m.norms, strict=True):
+                    out, s = batch_norm(
+                        jax.vmap(lay)(h),
+                        bn.weight,
+                        bn.bias,
+                        bn.running_mean.value,
+                        bn.running_var.value,
+                        unbiased=True,
+                    )
+                    new_stats.append(s)
+                    y_ = jax.nn.relu(out)
+                    h = h + y_ if m.residual else y_
+                logits = jax.vmap(m.head)(global_pool(h, keep=(0, 1)))
+                return cross_entropy(logits, y), new_stats
+
+            (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(diff)
+            updates, opt_state = optimizer.update(grads, opt_state, diff)
+            model = eqx.combine(eqx.apply_updates(diff, updates), rest)
+            for i, (rm, rv) in enumerate(stats):
+                bn = model.norms[i]
+                model = eqx.tree_at(
+                    lambda m, i=i: (
+                        m.norms[i].running_mean.value,
+                        m.norms[i].running_var.value,
+                        m.norms[i].num_batches_tracked.value,
+                    ),
+                    model,
+                    (rm, rv, bn.num_batches_tracked.value + 1),
+                )
+            return model, opt_state, loss
+
+        self._step = step
+
+    def step(self):
+        self.model, self.opt_state, loss = self._step(
+            self.model, self.opt_state, self.x, self.y
+        )
+        return loss
+
+    def snapshot(self):
+        return _es_snapshot(self.model)
 
 
 # (e), (f) Equinox eqx.nn.BatchNorm + eqx.nn.State ------------------------------------
@@ -1113,6 +1197,7 @@ VARIANTS: dict[str, type[Runner]] = {
         EsScan100,
         EsOwned,
         EqxJit,
+        EqxJitCells,
         EqxFlat,
         EqxState,
         NnxJitPartial,
@@ -1544,6 +1629,7 @@ USAGE_COLORS = {
     ES: "tab:blue",
     EXPERT: "tab:green",
     DEFAULT: "tab:orange",
+    DIAGNOSTIC: "tab:purple",
 }
 
 

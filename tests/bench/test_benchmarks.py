@@ -87,7 +87,7 @@ def test_every_variant_is_labelled_and_documented(so):
     from _scripts import ROOT
 
     readme = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
-    usages = {so.REFERENCE, so.ES, so.EXPERT, so.DEFAULT}
+    usages = {so.REFERENCE, so.ES, so.EXPERT, so.DEFAULT, so.DIAGNOSTIC}
     for name, cls in so.VARIANTS.items():
         assert cls.name == name
         assert cls.usage in usages, name
@@ -98,7 +98,7 @@ def test_every_variant_is_labelled_and_documented(so):
     # Each peer has expert forms beside its default usage.
     for family in ("Equinox", "Flax NNX"):
         usages_of = {c.usage for c in so.VARIANTS.values() if c.family == family}
-        assert usages_of == {so.EXPERT, so.DEFAULT}, family
+        assert usages_of - {so.DIAGNOSTIC} == {so.EXPERT, so.DEFAULT}, family
 
 
 def _wrong_variants(so):
