@@ -192,7 +192,10 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
         raise StepError(
             "The optimizer state does not match the parameters this step trains: it "
             "was made for another model, another optimizer, or another `trainable` "
-            "selection. Make it with this step's `step.init(model)`."
+            f"selection ({_first_difference(made, opt_state)}). Make it with this "
+            "step's `step.init(model)` (an array added to the model since is a "
+            "parameter: a value meant to stay fixed belongs in a state cell, "
+            "`es.Buffer`, or a static field)."
         )
     # the same structure with arrays of other shapes (a model of another size
     # whose sizes are not static fields): optax's update fails on a bare
@@ -207,6 +210,38 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
                 f"{tuple(w.shape)}: it was made for a model of other sizes. Make it "
                 "with this step's `step.init(model)`."
             )
+
+
+def _first_difference(made: Any, got: Any) -> str:
+    """Where the optimizer state `got` first differs in structure from `made`, the
+    state `step.init(model)` makes, by path."""
+    entries = [
+        [
+            (jax.tree_util.keystr(path), x is None)
+            for path, x in jax.tree_util.tree_flatten_with_path(
+                tree, is_leaf=lambda x: x is None
+            )[0]
+        ]
+        for tree in (made, got)
+    ]
+    for (a, a_none), (b, b_none) in zip(*entries):
+        if a == b and a_none != b_none:
+            return f"at `opt_state{a}` it holds " + (
+                "nothing, where `step.init(model)` holds a leaf"
+                if b_none
+                else "a leaf, where `step.init(model)` holds nothing"
+            )
+        if a != b:
+            return (
+                f"the first difference: `opt_state{b}`, where `step.init(model)` "
+                f"has `opt_state{a}`"
+            )
+    a, b = ([path for path, _ in e] for e in entries)
+    if len(a) > len(b):
+        return f"it lacks `opt_state{a[len(b)]}`, which `step.init(model)` has"
+    if len(b) > len(a):
+        return f"it has `opt_state{b[len(a)]}`, which `step.init(model)` has not"
+    return "its leaves are at the same paths, in nodes of other types"
 
 
 def _is_predicate(x: Any) -> bool:

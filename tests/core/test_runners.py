@@ -613,6 +613,26 @@ def test_an_optimizer_state_of_other_shapes_is_named_alike_by_every_runner(runne
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
+def test_an_optimizer_state_of_another_structure_is_named_alike_by_every_runner(
+    runner,
+):
+    """An optimizer state made for another `trainable` selection (here: the
+    matrices only; the step trains the biases too) names its first difference by
+    path."""
+    model = Net(jax.random.key(0))
+    matrices = es.make_step(loss_fn, optax.adam(1e-2), trainable=lambda x: x.ndim == 2)
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    xs, ys = data()
+    with pytest.raises(
+        es.StepError,
+        match=r"at `opt_state\[0\]\.mu\.lin1\.layer\.bias` it holds nothing, "
+        r"where `step\.init\(model\)` holds a leaf",
+    ):
+        first_call(runner, step, model, matrices.init(model), xs, ys)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_what_was_consumed_is_named_alike_by_every_runner(runner):
     """A stale optimizer state with a fresh model names the optimizer state and its
     leaves; a deleted argument names the argument and leaves the model alone (it
