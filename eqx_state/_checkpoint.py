@@ -133,6 +133,12 @@ class CheckpointError(StateError):
 # Leaves: what is saved, and facts about it shared with the Equinox and Orbax helpers.
 
 
+def shown_path(where: str) -> str:
+    """A leaf's path (`jax.tree_util.keystr`) as messages show it: the empty path
+    of a tree that is one leaf is "the root"."""
+    return where or "the root (the tree is one leaf)"
+
+
 def _is_python_scalar(x: Any) -> bool:
     return type(x) in (bool, int, float, complex)
 
@@ -360,7 +366,7 @@ def _encode_tree(tree: Any) -> list[Any]:
                 "names each leaf by its path. Give the pytree nodes distinct keys."
             )
         seen.add(name)
-        entry, arr = _encode(name, leaf)
+        entry, arr = _encode(shown_path(name), leaf)
         entries.append(
             {"path": name, "dtype": arr.dtype.name, "shape": list(arr.shape), **entry}
         )
@@ -1072,11 +1078,12 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
     for _, where, leaf in wanted:
         if where not in saved:
             raise CheckpointError(
-                f"The checkpoint {name} has no array at {where}: it was saved from a "
+                f"The checkpoint {name} has no array at {shown_path(where)}: it was "
+                "saved from a "
                 "different model or optimizer. Load it into the structure it was saved "
                 "from."
             )
-        _check_against(name, where, saved[where], leaf)
+        _check_against(name, shown_path(where), saved[where], leaf)
     names = {where for _, where, _ in wanted}
     if len(names) != len(wanted):
         raise CheckpointError(
@@ -1086,12 +1093,13 @@ def load(path_or_file: str | os.PathLike[str] | io.IOBase, like: Any) -> Any:
     extra = [e.path for e in entries if e.path not in names]
     if extra:
         raise CheckpointError(
-            f"The checkpoint {name} holds an array at {extra[0]} that `like` does not "
+            f"The checkpoint {name} holds an array at {shown_path(extra[0])} that "
+            "`like` does not "
             "have: it was saved from a different model or optimizer."
         )
     out = [leaf for _, leaf in flat]
     for i, where, leaf in wanted:
-        out[i] = _build(name, where, saved[where], blob, leaf)
+        out[i] = _build(name, shown_path(where), saved[where], blob, leaf)
     for i, (p, leaf) in enumerate(flat):
         if jax.tree_util.keystr(p) in witnesses and not isinstance(leaf, jax.Array):
             out[i] = jnp.zeros(leaf.shape, leaf.dtype)  # an abstract `like`

@@ -16,13 +16,14 @@ from ._checkpoint import (
     _make_weak,
     _numpy_leaf,
     saved_value,
+    shown_path,
 )
 from ._compat import Tracer
 from ._modes import with_witnesses, without_witnesses
 
 
 def _where(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "the root (the tree is one leaf)"
+    return shown_path(jax.tree_util.keystr(path))
 
 
 def _saveable(path: Any, x: Any) -> Any:

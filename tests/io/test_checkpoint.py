@@ -326,6 +326,19 @@ def test_extended_precision_is_refused_as_such(tmp_path, dtype, fix):
     assert got.tobytes() == leaf.astype(fix).tobytes()
 
 
+def test_a_tree_that_is_one_leaf_is_named_the_root(tmp_path):
+    """Messages name a leaf by its path; a tree that is one leaf has the empty path
+    ("At  the checkpoint ..." read as a typo): they call it the root."""
+    with pytest.raises(es.CheckpointError, match=r"^Cannot save the leaf at the root"):
+        es.save(tmp_path / "s", np.array(["a"]))
+    es.save(tmp_path / "c", jnp.ones(3))
+    with pytest.raises(es.CheckpointError, match=r"^At the root \(the tree is one"):
+        es.load(tmp_path / "c", like=jnp.ones(4))
+    es.save(tmp_path / "d", {"a": jnp.ones(3)})
+    with pytest.raises(es.CheckpointError, match=r"has no array at the root"):
+        es.load(tmp_path / "d", like=jnp.ones(3))
+
+
 def test_save_inside_jit_is_refused(tmp_path):
     @jax.jit
     def f(x):
