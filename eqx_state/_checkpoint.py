@@ -261,8 +261,10 @@ def _check_dtype(leaf: str, dtype: np.dtype) -> None:
         )
     raise CheckpointError(
         f"Cannot save the {leaf}: it is an array of dtype {dtype} "
-        f"({dtype.kind!r} kind), which no checkpoint can restore as an array "
-        "(strings, objects, records and dates are not numbers). Keep such values "
+        f"({dtype.kind!r} kind), which no persistence path of eqx_state saves "
+        "(strings, objects, records and dates are not numbers: `es.load` and "
+        "Orbax cannot restore them as arrays, and every path keeps one rule). Keep "
+        "such values "
         "out of the saved tree (e.g. as a static field, `eqx.field(static=True)`), "
         "or convert them to a numeric array."
     )

@@ -28,7 +28,7 @@ import gc
 import math
 import warnings
 from collections.abc import Callable
-from operator import is_not, itemgetter
+from operator import itemgetter
 from typing import Any
 
 import equinox as eqx
@@ -275,6 +275,21 @@ class _Plan:
                 k
                 for k in self.arg_ks
                 if any(e is not None for e in self.placement[k].spec)
+            )
+
+    def check_ref_placement(self, k: int, x: Any, sig: _Signature, leaves: list):
+        """A ref-mode cell's array (`dyn[k]`) must already be where the step takes
+        it: a ref cannot move (see `_place_on`, which checks it on the first call
+        of a plan; a later call with another model checks it here)."""
+        want = self.placement[k]
+        if isinstance(x, Tracer) or x.sharding == want:
+            return
+        if not x.sharding.is_equivalent_to(want, x.ndim):
+            carry = sig.carry_treedef.unflatten(leaves[: sig.n_carry])
+            raise StepError(
+                ref_placement_message(
+                    _leaf_path(carry, sig.dyn_idx[k]), x.sharding, want
+                )
             )
 
     def put(self, dyn: list) -> list:
@@ -552,6 +567,15 @@ class Compiled:
             if sig.plans and statics:
                 self._note_numbers(sig, statics, leaves)
             plan = sig.plans[pkey] = _Plan(self, sig, statics, alias, dyn, leaves)
+        if plan.placement is not None:
+            # On a mesh a consumed input is refused before the call: XLA crashes
+            # the process on a deleted sharded buffer (off a mesh, JAX's error
+            # is translated after the call, `_reraise`)
+            deleted = _deleted(dyn, sig)
+            if deleted:
+                raise _consumed_error(deleted, sig, leaves)
+            for k in sig.refbuf_ks:  # as the first call checks it (`_place_on`)
+                plan.check_ref_placement(k, dyn[k], sig, leaves)
         try:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
@@ -687,48 +711,66 @@ class Owned:
     goes through `Compiled.call_flat`, as every other call does, and reads its
     arguments.
 
-    What the caller can still change in the carry it handed over is what a
-    mutable container holds (a dict or a list: the `hyperparams` of an
-    `optax.inject_hyperparams` state, a list in the model). Each call reads those,
-    as a step call reads its whole carry: a slot given a new value since the last
-    call (compared by identity: the container's slot was reassigned) takes it in
-    the owned leaves. Arrays are values, so nothing else can change; the donated
-    arrays of the carry are consumed by the first call, so a stale use raises."""
+    What the caller can still change in the carry it handed over are the numbers
+    its lists and dicts hold (`_settings`: the `hyperparams` of an
+    `optax.inject_hyperparams` state, a float in a list of the model). Each call
+    reads those, as a step call reads its whole carry: a number set in place since
+    the last call is taken into the owned leaves. Everything else was handed over
+    (the donated arrays are consumed by the first call, so a stale use raises);
+    only the containers that hold numbers are kept, so that nothing else of the
+    given carry stays alive (with `donate=False` its arrays are not consumed)."""
 
     def __init__(self, compiled: Compiled, carry: tuple):
         self._compiled = compiled
         self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
         self._released = False
-        self._watch(carry)
+        self._settings = _settings(carry)
+        self._names = (
+            _leaf_names((carry, (), {}), [s[3] for s in self._settings])
+            if self._settings
+            else []
+        )
 
-    def _watch(self, carry: tuple) -> None:
-        """Keep the carry's mutable containers, each with what it holds now (and
-        the carry itself and its leaves as given, to read a change from), or
-        nothing at all if it has none."""
-        self._mutable = _mutable_nodes(carry)
-        self._given = carry if self._mutable else None
-        self._taken = jax.tree_util.tree_leaves(carry) if self._mutable else None
-
-    def _take_changes(self) -> None:
-        """A slot of a mutable container was reassigned: read the carry again and
-        take each leaf that is not the one it held when last read."""
-        given, taken = self._given, self._taken
-        assert given is not None and taken is not None
-        leaves, treedef = jax.tree_util.tree_flatten(given)
-        if treedef != self._treedef:
-            raise StepError(
-                "A list or dict of the model or optimizer state that `step.own` "
-                "took over was changed in its structure (an entry added or removed, "
-                "or a value of another structure) while the loop owns it "
-                f"(before: {self._treedef}, now: {treedef}). Release the loop "
-                "(`model, opt_state = loop.release()`), change what it returns, "
-                "and `own` that."
-            )
-        self._leaves = [
-            cur if new is old else new
-            for new, old, cur in zip(leaves, taken, self._leaves)
-        ]
-        self._watch(given)
+    def _read_settings(self, releasing: bool = False) -> None:
+        """Take each number set in place since the last read. A slot that no longer
+        holds one leaf (removed, or given a subtree) cannot be taken into the flat
+        carry: a `StepError` before a call; on `release()`, a warning (the loop's
+        own values are returned, without that change)."""
+        for n, (node, key, was, i, size) in enumerate(self._settings):
+            try:
+                now = node[key]
+            except (KeyError, IndexError):
+                now = _GONE
+            if now is was and len(node) == size:
+                continue
+            if now is _GONE or len(node) != size or not _is_one_leaf(now):
+                what = (
+                    "removed"
+                    if now is _GONE
+                    else f"set to a {type(now).__name__}"
+                    if now is not was
+                    else f"left in a {type(node).__name__} whose entries were "
+                    "added or removed"
+                )
+                message = (
+                    f"{self._names[n]} of the carry `step.own` took over was {what} "
+                    "while the loop owns it: the loop takes a number set in place "
+                    "(a hyperparameter), not a change of structure."
+                )
+                if releasing:
+                    warnings.warn(
+                        message + " `release()` returns the model and optimizer state "
+                        "as the loop holds them, without that change.",
+                        stacklevel=user_stacklevel(),
+                    )
+                    continue
+                raise StepError(
+                    message + " Undo it, or `release()` the loop (which returns "
+                    "the model and optimizer state as it holds them), change what it "
+                    "returns, and `own` that."
+                )
+            self._leaves[i] = now
+            self._settings[n] = (node, key, now, i, size)
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         if self._released:
@@ -736,8 +778,8 @@ class Owned:
                 "This loop was released: it no longer holds the model. Call "
                 "`step.own(model, opt_state)` again with what `release()` returned."
             )
-        if self._mutable and _changed(self._mutable):
-            self._take_changes()
+        if self._settings:
+            self._read_settings()
         with GcPaused():
             self._leaves, result = self._compiled.call_flat(
                 self._leaves, self._treedef, args, kwargs
@@ -745,47 +787,55 @@ class Owned:
         return result
 
     def release(self) -> tuple:
-        """The carry, rebuilt from the arrays the last call returned."""
-        if self._mutable and _changed(self._mutable):
-            self._take_changes()
+        """The carry, rebuilt from the arrays the last call returned (with the
+        numbers set in place since)."""
+        if self._settings:
+            self._read_settings(releasing=True)
         self._released = True
-        self._given = self._taken = None
+        self._settings = []
         return jax.tree_util.tree_unflatten(self._treedef, self._leaves)
 
 
-def _mutable_nodes(tree: Any) -> list[tuple[Any, Any]]:
-    """Each dict and list of the pytree `tree` with a snapshot of its slots: for a
-    dict its items, for a list its values (every container, nested ones too)."""
-    out: list[tuple[Any, Any]] = []
+def _is_number(x: Any) -> bool:
+    """A Python number or a concrete 0-d array: a setting (a hyperparameter)."""
+    if type(x) in (bool, int, float, complex):
+        return True
+    return (
+        isinstance(x, jax.Array | np.ndarray | np.generic)
+        and not isinstance(x, Tracer)
+        and np.ndim(x) == 0
+    )
 
-    def visit(x: Any) -> None:
-        if isinstance(x, dict):
-            out.append((x, dict(x)))
-        elif isinstance(x, list):
-            out.append((x, list(x)))
-        children = jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)
-        if len(children) != 1 or children[0] is not x:  # a leaf is its own child
-            for child in children:
-                visit(child)
 
-    visit(tree)
+def _is_one_leaf(x: Any) -> bool:
+    treedef = jax.tree_util.tree_structure(x)
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _settings(tree: Any) -> list[tuple[Any, Any, Any, int, int]]:
+    """The numbers the dicts and lists of `tree` hold, each as `(container, key,
+    value, index of the leaf in tree_leaves(tree), len(container))`."""
+    out: list[tuple[Any, Any, Any, int, int]] = []
+
+    def visit(x: Any, start: int) -> int:  # -> the number of leaves of `x`
+        children = jax.tree_util.tree_flatten_with_path(
+            x, is_leaf=lambda y: y is not x
+        )[0]
+        if len(children) == 1 and children[0][1] is x:
+            return 1  # a leaf
+        n = 0
+        for path, child in children:
+            if isinstance(x, dict | list) and _is_number(child):
+                key = getattr(path[0], "key", getattr(path[0], "idx", None))
+                out.append((x, key, child, start + n, len(x)))
+            n += visit(child, start + n)
+        return n
+
+    visit(tree, 0)
     return out
 
 
 _GONE = object()
-
-
-def _changed(nodes: list[tuple[Any, Any]]) -> bool:
-    """Whether a slot of a container of `_mutable_nodes` was reassigned since."""
-    for node, was in nodes:
-        if len(node) != len(was):
-            return True
-        if isinstance(node, dict):
-            if any(node.get(k, _GONE) is not v for k, v in was.items()):
-                return True
-        elif any(map(is_not, node, was)):
-            return True
-    return False
 
 
 def _is_committed(x: Any) -> bool:
@@ -921,30 +971,41 @@ def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
     optimizer state, or a deleted argument: named by its path), or else the error
     itself, with a note when this call consumed its inputs."""
     eqx_error = equinox_runtime_error(e)
-    deleted = [
-        i
-        for i, x in zip(sig.dyn_idx, dyn)
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
-    ]
+    deleted = _deleted(dyn, sig)
     if eqx_error is not None:  # a check in the program fired: say which
         if deleted:
             eqx_error.add_note(_CONSUMED_NOTE)
         raise eqx_error from None
     if deleted and is_deleted_array_error(e):  # consumed before this call
-        where = _named(sig, leaves, deleted)
-        if all(i >= sig.n_carry for i in deleted):
-            raise StaleModelError(
-                f"The argument {where} holds an array that was consumed (its buffer "
-                "donated and deleted) by an earlier call; the model and optimizer "
-                "state are intact. Pass an array that is still alive: one donated to "
-                "another jitted call (`donate_argnums`) or deleted (`.delete()`) "
-                "cannot be read again."
-            ) from e
-        n_model = sig.carry_treedef.children()[0].num_leaves
-        owners = {i < n_model for i in deleted if i < sig.n_carry}
-        raise _stale_carry(where, owners) from e
+        raise _consumed_error(deleted, sig, leaves) from e
     if deleted:  # the program failed after its inputs were donated to it
         e.add_note(_CONSUMED_NOTE)
+
+
+def _deleted(dyn: list, sig: _Signature) -> list[int]:
+    """The leaf positions of the call's arrays that an earlier call consumed."""
+    return [
+        i
+        for i, x in zip(sig.dyn_idx, dyn)
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
+    ]
+
+
+def _consumed_error(deleted: list[int], sig: _Signature, leaves: list) -> Exception:
+    """The one error for inputs an earlier call consumed: the stale model or
+    optimizer state (`_stale_carry`), or a deleted argument, named by path."""
+    where = _named(sig, leaves, deleted)
+    if all(i >= sig.n_carry for i in deleted):
+        return StaleModelError(
+            f"The argument {where} holds an array that was consumed (its buffer "
+            "donated and deleted) by an earlier call; the model and optimizer "
+            "state are intact. Pass an array that is still alive: one donated to "
+            "another jitted call (`donate_argnums`) or deleted (`.delete()`) "
+            "cannot be read again."
+        )
+    n_model = sig.carry_treedef.children()[0].num_leaves
+    owners = {i < n_model for i in deleted if i < sig.n_carry}
+    return _stale_carry(where, owners)
 
 
 def _stale_carry(where: str, owners: set[bool]) -> StaleModelError:

@@ -13,11 +13,13 @@ mode.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._checkpoint import (
     CheckpointError,
@@ -64,6 +66,20 @@ def _what(x: Any) -> str:
     )
 
 
+@functools.cache
+def _npy_keeps(dtype: Any) -> bool:
+    """Whether an array of `dtype` written by `np.save` reads back as that dtype
+    (Equinox's `tree_deserialise_leaves` restores bfloat16 itself; NumPy's format
+    has no other of JAX's narrow dtypes, float8 and int4 among them)."""
+    if dtype == jnp.bfloat16:
+        return True
+    try:
+        descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+        return np.lib.format.descr_to_dtype(descr) == dtype
+    except (TypeError, ValueError):
+        return False
+
+
 def serialise_filter_spec(f: Any, x: Any) -> None:
     """A `filter_spec` for `eqx.tree_serialise_leaves` that also writes ref-mode cells
     and typed PRNG keys.
@@ -100,6 +116,13 @@ def serialise_filter_spec(f: Any, x: Any) -> None:
     value = saved_value(x, "eqx.tree_serialise_leaves", _what(x))
     if isinstance(value, jax.Array) and _is_key_dtype(value.dtype):
         value = jax.random.key_data(value)
+    if hasattr(value, "dtype") and not _npy_keeps(value.dtype):
+        raise CheckpointError(
+            f"Cannot save the {_what(x)}: Equinox's serialisation writes arrays "
+            f"with NumPy's `np.save`, whose file format has no {value.dtype} (it "
+            "would be read back as raw bytes). Save the model with `es.save`, which "
+            "stores it, or keep such arrays out of the saved tree."
+        )
     eqx.default_serialise_filter_spec(f, x if value is None else value)
     if isinstance(x, jax.Ref):
         _after_ref(f, x)

@@ -286,12 +286,13 @@ class Step:
 
         While the loop owns them, the model and the optimizer state given to `own`
         must not be used (their arrays are donated by the first step, so using them
-        raises `StaleModelError`). What a list or dict of theirs holds may be set in
-        place, as between step calls: an optimizer hyperparameter
+        raises `StaleModelError`). A number their lists and dicts hold may be set
+        in place, as between step calls: an optimizer hyperparameter
         (`opt_state.hyperparams['learning_rate'] = ...` with
         `optax.inject_hyperparams`) is read by the next step, as a step call reads
-        it. A change of structure (an entry added or removed) raises: `release()`,
-        change, and `own` again.
+        it. Any other change (a layer replaced, an entry added or removed) is not
+        taken: an entry added to or removed from such a list or dict raises at the
+        next step; to change the model, `release()`, change, and `own` again.
 
         **Example:**
 

@@ -384,9 +384,10 @@ def test_a_learning_rate_set_in_place_before_each_step_takes_effect_on_every_run
 
 
 def test_the_owned_loop_refuses_a_change_of_structure_in_place():
-    """An entry added to a dict the loop took over cannot be taken into its flat
-    arrays: a `StepError` says to release and own again, and the loop still
-    holds what it had."""
+    """An entry added to (or removed from) a dict whose numbers the loop reads
+    cannot be taken into its flat arrays: a `StepError` names the entry and says
+    to release first; the loop still holds what it had, and `release()` hands it
+    back (with a warning that the change is not in it)."""
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     model = Net(jax.random.key(0))
     step = es.make_step(loss_fn, opt, return_loss=True)
@@ -395,12 +396,40 @@ def test_the_owned_loop_refuses_a_change_of_structure_in_place():
     loop = step.own(model, opt_state)
     loop(xs[0], ys[0])
     opt_state.hyperparams["momentum"] = 0.9
-    with pytest.raises(es.StepError, match=r"changed in its structure.*release"):
+    with pytest.raises(
+        es.StepError,
+        match=r"`opt_state\.hyperparams\['learning_rate'\]` .* left in a dict whose "
+        r"entries were added or removed.*`release\(\)` the loop",
+    ):
         loop(xs[1], ys[1])
     del opt_state.hyperparams["momentum"]
     loop(xs[1], ys[1])
-    model, _ = loop.release()
+    opt_state.hyperparams["learning_rate"] = {"a": 0.1}  # a subtree: not a number
+    with pytest.raises(es.StepError, match=r"set to a dict"):
+        loop(xs[2], ys[2])
+    with pytest.warns(UserWarning, match=r"returns the model .* without that change"):
+        model, opt_state = loop.release()
     assert int(model.bn.num_batches_tracked[...]) == 2
+    assert float(opt_state.hyperparams["learning_rate"]) == np.float32(0.1)
+
+
+def test_the_owned_loop_keeps_nothing_of_the_given_carry_alive():
+    """With `donate=False` the given carry's arrays are not consumed: once the
+    loop has run a step, it holds none of them (only the lists and dicts that
+    hold numbers, which it reads), so a carry the caller dropped is freed."""
+    import weakref
+
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    step = es.make_step(loss_fn, opt, donate=False)
+    model = Net(jax.random.key(0))
+    opt_state = step.init(model)
+    weight = weakref.ref(model.lin1.layer.weight)
+    loop = step.own(model, opt_state)
+    del model, opt_state
+    xs, ys = data()
+    loop(xs[0], ys[0])
+    gc.collect()
+    assert weight() is None
 
 
 class _Scale(eqx.Module):

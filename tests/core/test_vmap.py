@@ -160,6 +160,37 @@ def test_dropout_without_axis_name_under_es_vmap_is_refused():
         es.vmap(drop, axis_name="batch")(jnp.ones((6, 4)))
 
 
+@pytest.mark.parametrize(
+    "make, values",
+    [
+        (es.metrics.Sum, np.ones((8, 3), np.float32)),  # every example alike
+        (es.metrics.Mean, np.arange(24, dtype=np.float32).reshape(8, 3)),
+    ],
+    ids=["equal examples", "different examples"],
+)
+def test_a_metric_without_axis_name_under_es_vmap_is_refused(make, values):
+    """Per-example updates of a metric with no `axis_name`: `es.vmap` keeps one
+    value per cell, so where the examples agreed one example's statistics were
+    kept (`Sum` of 8 rows of ones read 3.0, not 24.0) and where they differed the
+    call failed at run time. Refused when traced, naming `axis_name`; with it, the
+    result equals NumPy on the whole batch; an update with one value for every
+    example (not per-example) is still written once."""
+    metric = es.to_refs(make())
+    update = es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="b")
+    with pytest.raises(es.EqxStateError, match=r"no `axis_name`.*axis_name='b'"):
+        update(metric, jnp.asarray(values))
+    assert float(metric.compute()) == 0.0  # nothing written
+    summed = es.to_refs(make(axis_name="b"))
+    update(summed, jnp.asarray(values))
+    want = values.sum() if make is es.metrics.Sum else values.mean()
+    np.testing.assert_allclose(float(summed.compute()), want, rtol=1e-6)
+    once = es.to_refs(make())
+    es.vmap(lambda m, x: m.update(jnp.ones(3)), in_axes=(None, 0), axis_name="b")(
+        once, jnp.asarray(values)
+    )
+    assert float(once.compute()) == (3.0 if make is es.metrics.Sum else 1.0)
+
+
 def test_a_pytree_of_in_axes_is_refused_naming_the_limit():
     """`jax.vmap` takes a pytree of axes per argument; es.vmap an int or None (it
     failed with a bare `int()` TypeError)."""

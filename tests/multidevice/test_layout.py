@@ -153,6 +153,16 @@ def test_ref_mode_cells_off_the_layout_name_the_fix(mesh2x2):
         step(model, step.init(model), xs[0], ys[0])
     with pytest.raises(es.StateError, match="JAX cannot move a ref"):
         es.place(model, mesh2x2, LAYOUT)
+    # after a call that compiled the step for a placed model, the same refusal
+    # (the check ran only when a call compiled: a warm step took the refs and
+    # moved their arrays)
+    placed = es.to_refs(es.place(Net(jax.random.key(0)), mesh2x2, LAYOUT))
+    step(placed, step.init(placed), xs[0], ys[0])
+    with pytest.raises(
+        es.StepError, match=r"`bn\.running_mean`.*es\.to_refs\(es\.place\("
+    ):
+        step(model, step.init(model), xs[0], ys[0])
+    assert model.bn.running_mean.value.sharding.is_equivalent_to(rep, 1)  # unmoved
 
 
 def test_explicit_axes_with_a_split_contraction_say_use_auto():

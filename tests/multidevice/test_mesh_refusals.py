@@ -79,3 +79,26 @@ def test_a_batch_the_devices_do_not_divide_names_the_fix(mesh):
         step(bn, opt_state, jnp.ones((10, 3)))
     bn, _ = step(bn, opt_state, jnp.ones((8, 3)))
     assert int(bn.num_batches_tracked[...]) == 2
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["as built", "es.place"])
+def test_a_consumed_model_on_a_mesh_is_refused_before_the_call(mesh, placed):
+    """Reusing the model a mesh step consumed: XLA crashed the process (exit 139)
+    on the deleted sharded buffers, where off a mesh JAX's error becomes a
+    `StaleModelError`. On a mesh it is refused before the call, with the same
+    message (the consumed leaves named), on every runner."""
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1), mesh=mesh)
+    bn = es.nn.BatchNorm(3)
+    if placed:
+        bn = es.place(bn, mesh)
+    x = jnp.ones((8, 3))
+    opt_state = step.init(bn)
+    new, new_state = step(bn, opt_state, x)  # consumes `bn`
+    for call in (
+        lambda: step(bn, new_state, x),
+        lambda: step.scan(bn, new_state, x[None]),
+    ):
+        with pytest.raises(es.StaleModelError, match=r"Consumed: `model\.weight`"):
+            call()
+    new, _ = step(new, new_state, x)  # the returned model still trains
+    assert int(new.num_batches_tracked[...]) == 2
