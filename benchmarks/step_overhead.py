@@ -748,14 +748,9 @@ class EqxJitCells(Runner):
 
         self._step = step
 
-    def step(self):
-        self.model, self.opt_state, loss = self._step(
-            self.model, self.opt_state, self.x, self.y
-        )
-        return loss
-
-    def snapshot(self):
-        return _es_snapshot(self.model)
+    # called as `es_value`'s step is: `model, opt_state, loss = step(model, ...)`
+    step = EsValue.step
+    snapshot = EsValue.snapshot
 
 
 # (e), (f) Equinox eqx.nn.BatchNorm + eqx.nn.State ------------------------------------
