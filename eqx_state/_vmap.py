@@ -64,7 +64,9 @@ def vmap(
     Cells are found in `fn` when it is a pytree (an `eqx.Module`), and in the
     arguments whose `in_axes` is `None`. Every example must write the same value
     (reduce over `axis_name` first); otherwise the call fails at run time with an
-    error rather than keeping one example's value.
+    error rather than keeping one example's value. A metric updated per example
+    needs the same `axis_name` to sum the examples: without it, examples that
+    agree are counted once (a known defect, see the misuse page).
 
     **Arguments:**
 

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MAPPED_AXES, MetricState, _LayerBase, is_state
-from .._compat import is_batched
+from .._buffer import MetricState, _LayerBase, is_state
 from .._errors import (
     StateNotImplementedError,
     StateTypeError,
@@ -697,30 +696,6 @@ class Metric(_LayerBase):
                 ) from None
             _check_narrowing(name, k, v, cell.dtype)
             stats[k] = v.astype(cell.dtype)
-        mapped = MAPPED_AXES.get()
-        if (
-            self.axis_name is None
-            and mapped
-            and any(is_batched(v) for v in stats.values())
-        ):
-            # `es.vmap` writes one value per cell (it checks that the examples
-            # agree): per-example statistics would keep one example's, not a sum
-            axis = mapped[-1]
-            fix = (
-                f"`axis_name={axis!r}` (the `es.vmap`'s axis name)"
-                if axis is not None
-                else "an `axis_name`, and give the `es.vmap` the same one "
-                "(`es.vmap(model, axis_name='batch')`)"
-            )
-            raise StateValueError(
-                f"{name}.update got per-example values inside `es.vmap`, but the "
-                "metric has no `axis_name`: `es.vmap` keeps one value per state "
-                "cell, so the examples' statistics would not be summed (where they "
-                "are equal, one example's would be kept; where they differ, the call "
-                f"fails at run time). Build the metric with {fix}, so that every "
-                "update sums the examples, or update it outside the `es.vmap`, on "
-                "the whole batch."
-            )
         if self.axis_name is not None:
             stats = self._reduce_over(stats, self.axis_name, "update")
         current = {k: cell[...] for k, cell in cells.items()}

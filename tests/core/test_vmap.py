@@ -160,35 +160,53 @@ def test_dropout_without_axis_name_under_es_vmap_is_refused():
         es.vmap(drop, axis_name="batch")(jnp.ones((6, 4)))
 
 
-@pytest.mark.parametrize(
-    "make, values",
-    [
-        (es.metrics.Sum, np.ones((8, 3), np.float32)),  # every example alike
-        (es.metrics.Mean, np.arange(24, dtype=np.float32).reshape(8, 3)),
-    ],
-    ids=["equal examples", "different examples"],
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a metric without `axis_name` updated per example inside "
+    "`es.vmap` keeps one example's statistics when the examples agree (`Sum` of "
+    "8 rows of ones reads 1 row); where they differ the call fails at run time. "
+    "A refusal by `is_batched` also refused ensembles (an outer `filter_vmap`), "
+    "per-example metrics mapped with `in_axes=0` and Record's internal metrics, "
+    "so it was withdrawn: telling the es.vmap axis from an outer one needs JAX's "
+    "trace identity",
 )
-def test_a_metric_without_axis_name_under_es_vmap_is_refused(make, values):
-    """Per-example updates of a metric with no `axis_name`: `es.vmap` keeps one
-    value per cell, so where the examples agreed one example's statistics were
-    kept (`Sum` of 8 rows of ones read 3.0, not 24.0) and where they differed the
-    call failed at run time. Refused when traced, naming `axis_name`; with it, the
-    result equals NumPy on the whole batch; an update with one value for every
-    example (not per-example) is still written once."""
-    metric = es.to_refs(make())
+def test_a_metric_without_axis_name_under_es_vmap_sums_or_is_refused():
+    """Reference: NumPy's sum over the whole batch."""
+    metric = es.to_refs(es.metrics.Sum())
+    values = np.ones((8, 3), np.float32)
     update = es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="b")
-    with pytest.raises(es.EqxStateError, match=r"no `axis_name`.*axis_name='b'"):
+    try:
         update(metric, jnp.asarray(values))
-    assert float(metric.compute()) == 0.0  # nothing written
-    summed = es.to_refs(make(axis_name="b"))
-    update(summed, jnp.asarray(values))
-    want = values.sum() if make is es.metrics.Sum else values.mean()
-    np.testing.assert_allclose(float(summed.compute()), want, rtol=1e-6)
-    once = es.to_refs(make())
+    except es.EqxStateError:
+        return  # refused: fine
+    assert float(metric.compute()) == values.sum()
+
+
+def test_metrics_under_es_vmap_with_axis_name_or_per_member_equal_numpy():
+    """With `axis_name` a metric sums the examples (NumPy on the whole batch); an
+    update of one value for every example is written once; an ensemble of
+    metrics (`eqx.filter_vmap` around `es.vmap`) updated per member keeps each
+    member's value; per-example metrics mapped with `in_axes=0` keep one each."""
+    values = np.arange(24, dtype=np.float32).reshape(8, 3)
+    summed = es.to_refs(es.metrics.Sum(axis_name="b"))
+    es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="b")(
+        summed, jnp.asarray(values)
+    )
+    np.testing.assert_allclose(float(summed.compute()), values.sum(), rtol=1e-6)
+    once = es.to_refs(es.metrics.Sum())
     es.vmap(lambda m, x: m.update(jnp.ones(3)), in_axes=(None, 0), axis_name="b")(
         once, jnp.asarray(values)
     )
-    assert float(once.compute()) == (3.0 if make is es.metrics.Sum else 1.0)
+    assert float(once.compute()) == 3.0
+    members = eqx.filter_vmap(lambda _: es.metrics.Sum())(jnp.arange(2))
+
+    def member(m, w):
+        inner = es.vmap(lambda m, x: m.update(w), in_axes=(None, 0), axis_name="b")
+        _, m = es.apply(lambda m: inner(m, jnp.ones((4, 3))), m)
+        return m
+
+    members = eqx.filter_vmap(member)(members, jnp.asarray([1.0, 2.0]))
+    np.testing.assert_array_equal(np.asarray(members.total[...]), [1.0, 2.0])
 
 
 def test_a_pytree_of_in_axes_is_refused_naming_the_limit():
