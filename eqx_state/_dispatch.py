@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import _is_ref, is_consumed, is_state, unbatched_message
+from ._checkpoint import _is_python_scalar
 from ._compat import (
     Tracer,
     equinox_runtime_error,
@@ -263,33 +264,14 @@ class _Plan:
         ]
         self.out_placement = {i: s for i, s in enumerate(full) if s is not None}
         for i in (*sig.ref_idx, *sig.refbuf_idx):  # a ref cannot move
-            ref, want = leaves[i], full[i] if i < sig.n_carry else None
-            if want is None or isinstance(ref, Tracer):
-                continue
-            if not ref.sharding.is_equivalent_to(want, len(ref.shape)):
-                raise StepError(
-                    ref_placement_message(_leaf_path(carry, i), ref.sharding, want)
-                )
+            _check_ref_placed(
+                leaves[i], full[i] if i < sig.n_carry else None, sig, leaves, i
+            )
         if spans_processes(mesh):
             self.global_ks = tuple(
                 k
                 for k in self.arg_ks
                 if any(e is not None for e in self.placement[k].spec)
-            )
-
-    def check_ref_placement(self, k: int, x: Any, sig: _Signature, leaves: list):
-        """A ref-mode cell's array (`dyn[k]`) must already be where the step takes
-        it: a ref cannot move (see `_place_on`, which checks it on the first call
-        of a plan; a later call with another model checks it here)."""
-        want = self.placement[k]
-        if isinstance(x, Tracer) or x.sharding == want:
-            return
-        if not x.sharding.is_equivalent_to(want, x.ndim):
-            carry = sig.carry_treedef.unflatten(leaves[: sig.n_carry])
-            raise StepError(
-                ref_placement_message(
-                    _leaf_path(carry, sig.dyn_idx[k]), x.sharding, want
-                )
             )
 
     def put(self, dyn: list) -> list:
@@ -574,8 +556,10 @@ class Compiled:
             deleted = _deleted(dyn, sig)
             if deleted:
                 raise _consumed_error(deleted, sig, leaves)
-            for k in sig.refbuf_ks:  # as the first call checks it (`_place_on`)
-                plan.check_ref_placement(k, dyn[k], sig, leaves)
+            for k in sig.refbuf_ks:  # as a new plan checks it (`_place_on`)
+                _check_ref_placed(
+                    dyn[k], plan.placement[k], sig, leaves, sig.dyn_idx[k]
+                )
         try:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
@@ -798,7 +782,7 @@ class Owned:
 
 def _is_number(x: Any) -> bool:
     """A Python number or a concrete 0-d array: a setting (a hyperparameter)."""
-    if type(x) in (bool, int, float, complex):
+    if _is_python_scalar(x):
         return True
     return (
         isinstance(x, jax.Array | np.ndarray | np.generic)
@@ -984,11 +968,19 @@ def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
 
 def _deleted(dyn: list, sig: _Signature) -> list[int]:
     """The leaf positions of the call's arrays that an earlier call consumed."""
-    return [
-        i
-        for i, x in zip(sig.dyn_idx, dyn)
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
-    ]
+    return [i for i, x in zip(sig.dyn_idx, dyn) if is_consumed(x)]
+
+
+def _check_ref_placed(x: Any, want: Any, sig: _Signature, leaves: list, i: int):
+    """The one check that the ref-mode cell at leaf `i` (its ref, or the array it
+    holds) is where the step takes it (`want`; None: anywhere): a ref cannot move.
+    Run when a plan is made (`_place_on`) and, for the carry's cells, on every
+    call on a mesh (a later call may bring another model)."""
+    if want is None or isinstance(x, Tracer) or x.sharding == want:
+        return
+    if not x.sharding.is_equivalent_to(want, len(x.shape)):
+        carry = sig.carry_treedef.unflatten(leaves[: sig.n_carry])
+        raise StepError(ref_placement_message(_leaf_path(carry, i), x.sharding, want))
 
 
 def _consumed_error(deleted: list[int], sig: _Signature, leaves: list) -> Exception:

@@ -35,7 +35,7 @@ def _saveable(path: Any, x: Any) -> Any:
         x = np.asarray(x)  # Orbax stores NumPy scalars as 0-d arrays
     if isinstance(x, jax.Array | np.ndarray) and x.size == 0:
         raise CheckpointError(
-            f"Cannot checkpoint the leaf at {_where(path)} with Orbax: it is an "
+            f"Cannot checkpoint the leaf at {where} with Orbax: it is an "
             f"array of shape {tuple(x.shape)}, with no elements, and Orbax refuses "
             "to save an array of zero size. Save the tree with `es.save` (which "
             "writes it), or keep the empty array out of the saved tree."
