@@ -6,6 +6,8 @@ argument value is a `ValueError`, a wrong type a `TypeError`), so existing `exce
 ValueError` clauses keep working.
 """
 
+import numbers
+
 import jax
 import numpy as np
 
@@ -169,3 +171,28 @@ def check_int(
         )
         raise StateValueError(f"{where}: {name} must be {bound}, got {value}.{hint}")
     return int(value)  # type: ignore[arg-type]
+
+
+def check_real(where: str, name: str, value: object, hint: str = "") -> float:
+    """The one type check of a real-number option (an `eps`, a momentum, a decay,
+    a probability): `value` as a `float` if it is a Python or NumPy real number (not
+    a bool) or a concrete 0-d real array; else a `StateTypeError` naming `where` and
+    `name` and ending with `hint`. The range is the caller's to check: each option
+    has its own (`[0, 1)` for a decay, `> 0` for a bound)."""
+    if (
+        isinstance(value, jax.Array | np.ndarray)
+        and not isinstance(value, Tracer)
+        and value.ndim == 0
+        and (
+            jax.numpy.issubdtype(value.dtype, jax.numpy.floating)
+            or jax.numpy.issubdtype(value.dtype, jax.numpy.integer)
+        )
+    ):
+        value = value.item()  # a concrete 0-d real array
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = f" {hint}" if hint else ""
+        raise StateTypeError(
+            f"{where}: {name} must be a real number, got {value!r} of type "
+            f"{type(value).__name__}.{hint}"
+        )
+    return float(value)

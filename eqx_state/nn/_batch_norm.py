@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Hashable
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat, _LayerBase, layer_path
-from .._errors import StateTypeError, StateValueError, check_int
+from .._errors import StateTypeError, StateValueError, check_int, check_real
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._flag import inference_flag
@@ -147,12 +146,9 @@ class BatchNorm(_LayerBase):
             channel_axis,
             hint="1 for inputs laid out [N, C, ...], -1 for channels-last.",
         )
-        for name, v in (("eps", eps), ("momentum", momentum)):
-            if v is not None and not _is_real_number(v):
-                raise StateTypeError(
-                    f"BatchNorm: {name} must be a Python number, got {v!r} of type "
-                    f"{type(v).__name__}."
-                )
+        eps = check_real("BatchNorm", "eps", eps)
+        if momentum is not None:
+            momentum = check_real("BatchNorm", "momentum", momentum)
         if not eps >= 0:
             raise StateValueError(
                 f"BatchNorm: eps must be non-negative, got {eps!r}: it is added to "
@@ -458,8 +454,3 @@ def _keep_where(cond: Any, new: Any, old: Array) -> Any:
     if isinstance(cond, bool):
         return new if cond else old
     return jnp.where(cond, new, old)
-
-
-def _is_real_number(x: Any) -> bool:
-    """A real number (Python's or NumPy's), not a bool, a string or an array."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)

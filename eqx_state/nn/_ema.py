@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
-from .._errors import StateValueError
+from .._errors import StateValueError, check_int, check_real
 from ._complex import refuse_complex
 from ._flag import inference_flag
 from ._kv_cache import KVCache
@@ -144,12 +144,10 @@ class EMA(_LayerBase):
         accumulation_dtype=None,
         inference: bool = False,
     ):
+        decay = check_real("EMA", "decay", decay)
         if not 0.0 <= decay < 1.0:
             raise StateValueError(f"EMA: decay must be in [0, 1), got {decay}.")
-        if warmup_length < 0:
-            raise StateValueError(
-                f"EMA: warmup_length must be non-negative, got {warmup_length}."
-            )
+        warmup_length = check_int("EMA", "warmup_length", warmup_length, 0)
         if zero_debias and warmup_length:
             raise StateValueError(
                 "EMA: zero_debias=True cannot be combined with warmup_length > 0: the "

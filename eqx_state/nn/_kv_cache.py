@@ -262,7 +262,20 @@ class KVCache(_LayerBase):
         cursor.
         """
         cursor = self.cursor[...]
-        length = jnp.broadcast_to(jnp.asarray(length), cursor.shape)
+        length = jnp.asarray(length)
+        if length.ndim and length.shape != cursor.shape:
+            held = (
+                f"a batch of {cursor.shape[0]} sequences (built with `batch_size="
+                f"{cursor.shape[0]}`): give one length per sequence, shape "
+                f"{tuple(cursor.shape)}, or one for all"
+                if cursor.ndim
+                else "one sequence: give one length (a scalar)"
+            )
+            raise StateValueError(
+                f"KVCache.truncate: got lengths of shape {tuple(length.shape)}, but "
+                f"this cache holds {held}."
+            )
+        length = jnp.broadcast_to(length, cursor.shape)
         if not jnp.issubdtype(length.dtype, jnp.integer):
             raise StateTypeError(
                 f"KVCache.truncate: length must be an integer, got {length.dtype}."

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 
 from .._buffer import RngState, _LayerBase
-from .._errors import StateTypeError, StateValueError, StateWriteError
+from .._errors import StateTypeError, StateValueError, StateWriteError, check_real
 from .._vmap import mapped_axes
 from ._flag import inference_flag
 
@@ -262,6 +262,7 @@ class Dropout(_LayerBase):
         axis_name: Hashable | None = None,
         inference: bool = False,
     ):
+        p = check_real("Dropout", "p", p)
         if not 0.0 <= p <= 1.0:
             raise StateValueError(f"Dropout: p must be in [0, 1], got {p}.")
         if rng is not None:

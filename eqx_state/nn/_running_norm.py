@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Num
 
 from .._buffer import BatchStat, _LayerBase
-from .._errors import StateTypeError, StateValueError, is_whole
+from .._errors import StateTypeError, StateValueError, check_real, is_whole
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._flag import inference_flag
@@ -122,11 +121,9 @@ class RunningNorm(_LayerBase):
         dtype=None,
     ):
         shape = _check_shape(shape)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise StateTypeError(
-                f"RunningNorm: eps must be a Python number, got {eps!r} of type "
-                f"{type(eps).__name__}."
-            )
+        eps = check_real("RunningNorm", "eps", eps)
+        if clip is not None:
+            clip = check_real("RunningNorm", "clip", clip)
         if not eps >= 0:
             raise StateValueError(
                 f"RunningNorm: eps must be non-negative, got {eps!r}: it is added to "

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._buffer import PowerIterationState, _LayerBase
-from .._errors import StateValueError, check_int
+from .._errors import StateValueError, check_int, check_real
 from ._flag import inference_flag
 
 
@@ -146,6 +146,10 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
         n_power_iterations = check_int(
             "SpectralNorm", "n_power_iterations", n_power_iterations, 1
         )
+        eps = check_real("SpectralNorm", "eps", eps)
+        dim = check_int("SpectralNorm", "dim", dim)
+        if input_ndim is not None:
+            input_ndim = check_int("SpectralNorm", "input_ndim", input_ndim, 0)
         weight = getattr(layer, weight_name, None)
         if weight is None or not eqx.is_inexact_array(weight):
             raise StateValueError(
@@ -173,10 +177,6 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
                     "input with more axes maps the layer over the extra leading "
                     "(batch) axes; an input of that rank is one example."
                 )
-        elif input_ndim < 0:
-            raise StateValueError(
-                f"SpectralNorm: input_ndim must be non-negative, got {input_ndim}."
-            )
         self.input_ndim = int(input_ndim)
         self.layer = layer
         self.weight_name = weight_name

@@ -298,6 +298,10 @@ builders = {  # name: (build with the option set to v, a valid v, the smallest)
     "Accuracy top_k": (lambda v: es.metrics.Accuracy(top_k=v).top_k, 2, 1),
     "Histogram bins": (lambda v: es.metrics.Histogram(v, range=(0, 1)).bins, 4, 1),
     "MeanStd ddof": (lambda v: es.metrics.MeanStd(ddof=v).ddof, 1, 0),
+    "EMA warmup_length": (
+        lambda v: es.nn.EMA(lin, 0.5, warmup_length=v).warmup_length, 2, 0),
+    "SpectralNorm input_ndim": (
+        lambda v: es.nn.SpectralNorm(lin, input_ndim=v, key=key).input_ndim, 1, 0),
 }
 
 def outcome(f, v):
@@ -322,18 +326,39 @@ for name, (f, good, low) in builders.items():
                      ("float", float(good) + 0.5), ("string", str(good)), ("bool", True),
                      ("jax 1-d", jnp.array([good])), ("below", low - 1)]:
         out[f"{name} / {label}"] = [python_rule(v) if label != "below" else "below", outcome(f, v)]
-print(json.dumps(out))
+
+# Real-number options (`_errors.check_real`): a real number of Python or NumPy, or a
+# concrete 0-d real array, taken as that float; a string, a bool or an array of
+# values refused with a TypeError.
+reals = {  # name: (build with the option set to v and read it back, a valid int)
+    "BatchNorm eps": (lambda v: es.nn.BatchNorm(3, eps=v).eps, 1),
+    "BatchNorm momentum": (lambda v: es.nn.BatchNorm(3, momentum=v).momentum, 1),
+    "RunningNorm eps": (lambda v: es.nn.RunningNorm(3, eps=v).eps, 1),
+    "RunningNorm clip": (lambda v: es.nn.RunningNorm(3, clip=v).clip, 1),
+    "EMA decay": (lambda v: es.nn.EMA(lin, v).decay, 0),
+    "Dropout p": (lambda v: es.nn.Dropout(v, key=0).p, 1),
+    "SpectralNorm eps": (lambda v: es.nn.SpectralNorm(lin, eps=v, key=key).eps, 1),
+}
+
+def real_outcome(f, v):
+    try:
+        return ["ok", f(v)]
+    except Exception as e:
+        kind = "TypeError" if isinstance(e, TypeError) else type(e).__name__
+        return [kind, isinstance(e, es.EqxStateError), str(e)]
+
+real = {}
+for name, (f, whole) in reals.items():
+    for label, v in [("float", 0.25), ("int", whole), ("numpy", np.float32(0.25)),
+                     ("jax 0-d", jnp.float32(0.25)), ("string", "0.25"),
+                     ("bool", True), ("jax 1-d", jnp.array([0.25]))]:
+        real[f"{name} / {label}"] = real_outcome(f, v)
+print(json.dumps({"int": out, "real": real}))
 """
 
 
-def test_every_whole_number_option_follows_python_s_integer_rule():
-    """Each size, count or step option takes what `operator.index` takes (an int, a
-    NumPy integer, a concrete 0-d integer array) as that number, and refuses the
-    rest with a `TypeError`, and a number below its least with a `ValueError`:
-    each an `EqxStateError` that names the builder and the option. (Before one
-    check served them all, `SpectralNorm(n_power_iterations=1.5)` and
-    `with_kv_cache(batch_size=2.5)` were taken, a string gave a bare `TypeError`,
-    and `Accuracy(top_k=jnp.int32(2))` was refused while `Counter` took it.)"""
+@pytest.fixture(scope="module")
+def number_options():
     run = subprocess.run(
         [sys.executable, "-c", _WHOLE_NUMBER_OPTIONS],
         capture_output=True,
@@ -341,8 +366,20 @@ def test_every_whole_number_option_follows_python_s_integer_rule():
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.splitlines()[-1])
-    assert len(got) == 10 * 8
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_every_whole_number_option_follows_python_s_integer_rule(number_options):
+    """Each size, count or step option takes what `operator.index` takes (an int, a
+    NumPy integer, a concrete 0-d integer array) as that number, and refuses the
+    rest with a `TypeError`, and a number below its least with a `ValueError`:
+    each an `EqxStateError` that names the builder and the option. (Before one
+    check served them all, `SpectralNorm(n_power_iterations=1.5)` and
+    `with_kv_cache(batch_size=2.5)` were taken, a string gave a bare `TypeError`,
+    and `Accuracy(top_k=jnp.int32(2))` was refused while `Counter` took it;
+    `EMA(warmup_length=1.5)` and `SpectralNorm(input_ndim=1.5)` were cut to 1.)"""
+    got = number_options["int"]
+    assert len(got) == 12 * 8
     for case, (rule, result) in got.items():
         builder, option = case.split(" / ")[0].split(" ", 1)
         if rule == "TypeError":
@@ -356,9 +393,64 @@ def test_every_whole_number_option_follows_python_s_integer_rule():
             assert result == ["ok", rule], (case, result)
 
 
+def test_every_real_number_option_takes_numbers_and_refuses_the_rest(number_options):
+    """Each real-number option (an `eps`, a momentum, a decay, a probability, a
+    bound) takes a Python number, a NumPy scalar and a concrete 0-d array as that
+    float, and refuses a string, a bool and an array of values with a `TypeError`
+    that is an `EqxStateError` naming the builder and the option. (Before one check
+    served them all, `Dropout("0.5")`, `EMA(model, "0.9")` and `RunningNorm(clip=
+    "5")` raised Python's bare "'<=' not supported", and `Dropout(True)` was a
+    probability of 1.)"""
+    got = number_options["real"]
+    assert len(got) == 7 * 7
+    for case, result in got.items():
+        builder, option = case.split(" / ")[0].split(" ", 1)
+        label = case.split(" / ")[1]
+        if label in ("string", "bool", "jax 1-d"):
+            assert result[:2] == ["TypeError", True], (case, result)
+            assert builder in result[2] and option in result[2], (case, result)
+            assert "must be a real number" in result[2], (case, result)
+        else:
+            if label == "int":
+                assert result[0] == "ok" and result[1] in (0.0, 1.0), (case, result)
+                assert type(result[1]) is float, (case, result)
+            else:
+                assert result == ["ok", 0.25], (case, result)
+
+
 def test_counter_fractional_step_is_an_error(probes):
     got = probes["Counter fractional step"]
     assert got["exc"] in ("TypeError", "ValueError"), got
+
+
+def test_a_failing_eager_ref_mode_call_keeps_earlier_layers_writes_like_torch():
+    """docs/misuse.md's rule: an eager ref-mode call writes layer by layer, as
+    PyTorch's modules do, so a BatchNorm before a layer given the wrong shape has
+    counted the batch (as `torch.nn.BatchNorm1d` has); through `es.apply` the same
+    failing call writes nothing."""
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    torch_bn = torch.nn.BatchNorm1d(3)
+    torch_net = torch.nn.Sequential(torch_bn, torch.nn.Linear(5, 2))
+    with pytest.raises(RuntimeError):
+        torch_net(torch.tensor(x))
+    assert int(torch_bn.num_batches_tracked) == 1  # written before the failure
+
+    net = eqx.nn.Sequential([es.nn.BatchNorm(3), es.nn.RunningNorm(5)])
+    with pytest.raises(ValueError, match="RunningNorm"):
+        es.apply(lambda m, x: m(x), net, jnp.asarray(x))
+    assert int(net.layers[0].num_batches_tracked[...]) == 0  # es.apply: nothing
+
+    refs = es.to_refs(net)
+    with pytest.raises(ValueError, match="RunningNorm"):
+        refs(jnp.asarray(x))
+    bn = refs.layers[0]
+    assert int(bn.num_batches_tracked[...]) == 1
+    np.testing.assert_allclose(
+        bn.running_mean[...], torch_bn.running_mean.numpy(), rtol=1e-6, atol=1e-7
+    )
+    np.testing.assert_allclose(
+        bn.running_var[...], torch_bn.running_var.numpy(), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_batch_norm_one_example_is_fine_in_evaluation():

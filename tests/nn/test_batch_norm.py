@@ -165,7 +165,7 @@ def test_bad_momentum():
         ({"num_features": "3"}, TypeError, "must be an int, got '3'"),
         ({"num_features": 0}, ValueError, "must be >= 1, got 0"),
         ({"num_features": 3, "eps": -1.0}, ValueError, "eps must be non-neg"),
-        ({"num_features": 3, "eps": "1"}, TypeError, "eps must be a Python"),
+        ({"num_features": 3, "eps": "1"}, TypeError, "eps must be a real number"),
         ({"num_features": 3, "momentum": "a"}, TypeError, "momentum must"),
         ({"num_features": 3, "channel_axis": 1.5}, TypeError, "channel_axis"),
     ],

@@ -628,6 +628,28 @@ def test_truncate_past_the_cursor_under_jit_raises_at_run_time():
         run(cache, jnp.asarray(2))
 
 
+def test_truncate_with_lengths_of_another_shape_names_the_fix():
+    """One length per sequence of a batched cache, or one for all; a length vector
+    of another size (or any vector for a cache of one sequence) is refused by name,
+    where JAX's broadcast error named neither `truncate` nor `batch_size`. Nothing
+    is written."""
+    attn = es.nn.CausalSelfAttention(8, 2, key=jax.random.key(0))
+    batched = es.to_refs(es.nn.with_kv_cache(attn, max_len=4, batch_size=3)).cache
+    batched.cursor[...] = jnp.array([2, 2, 2], batched.cursor.dtype)
+    with pytest.raises(ValueError, match=r"shape \(2,\).*batch of 3.*batch_size=3"):
+        batched.truncate(jnp.array([0, 0]))
+    single = es.to_refs(es.nn.KVCache(4, 2, 3))
+    single.cursor[...] = jnp.asarray(2, single.cursor.dtype)
+    with pytest.raises(ValueError, match="one sequence: give one length"):
+        single.truncate(jnp.array([1, 1]))
+    assert batched.cursor[...].tolist() == [2, 2, 2]
+    assert int(single.cursor[...]) == 2
+    batched.truncate(1)  # one for all
+    assert batched.cursor[...].tolist() == [1, 1, 1]
+    batched.truncate(jnp.array([0, 1, 0]))
+    assert batched.cursor[...].tolist() == [0, 1, 0]
+
+
 # --- batched decoding: prompts of different lengths, together -------------------------
 
 

@@ -433,7 +433,7 @@ def test_square_linear_on_a_square_batch_is_mapped(getkey):
 def test_other_layers_need_input_ndim(getkey):
     with pytest.raises(ValueError, match="cannot tell the rank of one input of RowMix"):
         es.nn.SpectralNorm(RowMix(getkey()), key=getkey())
-    with pytest.raises(ValueError, match="input_ndim must be non-negative"):
+    with pytest.raises(ValueError, match="input_ndim must be >= 0"):
         es.nn.SpectralNorm(RowMix(getkey()), input_ndim=-1, key=getkey())
     conv = es.nn.SpectralNorm(eqx.nn.Conv1d(2, 3, 3, key=getkey()), key=getkey())
     assert conv.input_ndim == 2
