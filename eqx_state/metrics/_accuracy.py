@@ -117,7 +117,11 @@ class Accuracy(Metric):
         self.total = statistic("sum", dtype=dtype)
         self.top_k = top_k
         self.threshold = _check_threshold("Accuracy", threshold)
-        self.num_classes = num_classes
+        self.num_classes = (
+            None
+            if num_classes is None
+            else _check_int("Accuracy", "num_classes", num_classes, 1)
+        )
         self.ignore_index = _check_ignore_index("Accuracy", ignore_index)
         self.axis_name = axis_name
 

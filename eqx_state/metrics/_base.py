@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, _LayerBase, is_state
@@ -222,7 +223,8 @@ _DTYPE_KINDS = {
     "counts": "a floating dtype of 32 bits or more (jnp.float32, jnp.float64 with "
     "x64) or, to count whole numbers exactly, a signed integer dtype (jnp.int32, "
     "jnp.int64 with x64)",
-    "values": "a floating or integer dtype",
+    "values": "a floating dtype or an integer dtype of 32 bits or more (jnp.int32, "
+    "jnp.uint32)",
 }
 
 
@@ -243,6 +245,15 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
                 "a count of 300 would stay there). Keep the "
                 "statistics in jnp.float32 (the default); the inputs may be "
                 f"{d.name}."
+            )
+        if jnp.issubdtype(d, jnp.integer) and d.itemsize < 4:
+            raise StateValueError(
+                f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. "
+                f"An {d.name} statistic would wrap around silently (a count of "
+                f"{jnp.iinfo(d).max + 1} reads {jnp.iinfo(d).min}) or hold less "
+                "than a reduction of its inputs gives (JAX sums narrow integers "
+                "in 32 bits). Keep integer statistics in jnp.int32 (jnp.int64 with "
+                f"x64); the inputs may be {d.name}."
             )
         if jnp.issubdtype(d, jnp.floating):
             return dtype
@@ -284,8 +295,12 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
     for name, x in inputs.items():
         if x is None:
             continue
-        src = jnp.asarray(x).dtype
-        if _kind(src) <= _kind(dtype):
+        x = jnp.asarray(x)
+        src = x.dtype
+        if _kind(src) < _kind(dtype):
+            continue
+        if _kind(src) == _kind(dtype):
+            _check_same_kind(metric, dtype, name, src, bool(getattr(x, "weak_type", 0)))
             continue
         where = f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` has dtype"
         if _kind(src) == 3:  # complex into real statistics: no real dtype holds it
@@ -306,6 +321,38 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
             "(dtype=jnp.float32, the default) to accumulate fractional data, or "
             f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
         )
+
+
+def _check_same_kind(metric: str, dtype: Any, name: str, src: Any, weak: bool):
+    """Refuse an input of the statistics' kind that a cast into their dtype would
+    wrap or round: an integer dtype they do not hold (int32 into int8: 300 would
+    read 44; uint32 into int32), or a float into floating statistics narrower than
+    32 bits (float32 into bfloat16: 1.001 would read 1.0; into float16, 1e5 would
+    read inf). A weakly-typed input (a Python number) is cast, as a state write
+    casts it; float64 data (with x64) into float32 statistics is the documented
+    precision of the default dtype."""
+    src, dst = jnp.dtype(src), jnp.dtype(dtype)
+    if weak or src == dst:
+        return
+    integer = _kind(dst) == 1
+    if integer:  # NumPy's lattice, exact (JAX's, without x64, takes int64 as int32)
+        if np.promote_types(src, dst) == dst:
+            return
+    elif jnp.promote_types(src, dst) == dst or dst.itemsize >= 4:
+        return
+    example = (
+        "uint32 3e9 into int32 would read -1294967296"
+        if integer
+        else "float32 1.001 into bfloat16 would read 1.0"
+    )
+    raise StateTypeError(
+        f"{metric}(dtype={dst.name}).update: `{name}` has dtype {src.name}, which "
+        f"statistics of dtype {dst.name} do not hold: a cast would "
+        f"{'wrap' if integer else 'round'} it ({example}). Build the metric with a "
+        f"dtype that holds {src.name} values (jnp.float32, the default, or "
+        f"jnp.{src.name} where the metric takes it), or cast `{name}` yourself if "
+        "that is what you mean."
+    )
 
 
 def _check_narrowing(metric: str, statistic: str, v: Array, dtype: Any) -> None:

@@ -365,6 +365,7 @@ class _AveragedMetric(_ConfusionMetric):
                 "more classes, or multi-label input, pass average='macro', "
                 "'micro', 'weighted' or None (per class)."
             )
+        pos_label = _check_int(name, "pos_label", pos_label, 0)
         if not 0 <= pos_label < max(num_classes, 2):
             raise StateValueError(
                 f"{name}: pos_label must be a class index in [0, {num_classes}), "

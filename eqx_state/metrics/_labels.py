@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from .._errors import StateTypeError, StateValueError
+from .._errors import StateTypeError, StateValueError, check_real
 
 
 def _as_labels(what: str, x: Array) -> Array:
@@ -37,7 +37,7 @@ def _as_labels(what: str, x: Array) -> Array:
 def _check_threshold(metric: str, threshold: float | None) -> float | None:
     if threshold is None:
         return None
-    threshold = float(threshold)
+    threshold = check_real(metric, "threshold", threshold)
     if not 0.0 <= threshold <= 1.0:
         raise StateValueError(
             f"{metric}: threshold must be a probability in [0, 1], got {threshold}. "
@@ -63,6 +63,10 @@ def _ignored(labels: Array, ignore_index: int | None) -> Array | None:
     """Where the labels are `ignore_index` (None without one)."""
     if ignore_index is None:
         return None
+    if jnp.issubdtype(labels.dtype, jnp.integer):
+        info = jnp.iinfo(labels.dtype)
+        if not info.min <= ignore_index <= info.max:  # no label of this dtype is it
+            return jnp.zeros(labels.shape, jnp.bool_)
     return labels == jnp.asarray(ignore_index, labels.dtype)
 
 
@@ -102,6 +106,8 @@ def _threshold(
             f"{shape + ('num_classes',)}) or predicted integer labels "
             "(`jnp.argmax(logits, -1)`)."
         )
+    if jnp.dtype(x.dtype).itemsize < 4:  # compared exactly: bfloat16 0.30078125
+        x = x.astype(jnp.float32)  # is > 0.3, which bfloat16(0.3) is not
     p = _as_probabilities(x, counted, axis_name)
     return (p > threshold).astype(jnp.int32)  # NaN > t is False: predicted 0
 

@@ -302,6 +302,10 @@ builders = {  # name: (build with the option set to v, a valid v, the smallest)
         lambda v: es.nn.EMA(lin, 0.5, warmup_length=v).warmup_length, 2, 0),
     "SpectralNorm input_ndim": (
         lambda v: es.nn.SpectralNorm(lin, input_ndim=v, key=key).input_ndim, 1, 0),
+    "Accuracy num_classes": (
+        lambda v: es.metrics.Accuracy(num_classes=v).num_classes, 3, 1),
+    "Precision pos_label": (
+        lambda v: es.metrics.Precision(2, pos_label=v).pos_label, 1, 0),
 }
 
 def outcome(f, v):
@@ -338,6 +342,7 @@ reals = {  # name: (build with the option set to v and read it back, a valid int
     "EMA decay": (lambda v: es.nn.EMA(lin, v).decay, 0),
     "Dropout p": (lambda v: es.nn.Dropout(v, key=0).p, 1),
     "SpectralNorm eps": (lambda v: es.nn.SpectralNorm(lin, eps=v, key=key).eps, 1),
+    "Recall threshold": (lambda v: es.metrics.Recall(2, threshold=v).threshold, 1),
 }
 
 def real_outcome(f, v):
@@ -377,9 +382,10 @@ def test_every_whole_number_option_follows_python_s_integer_rule(number_options)
     check served them all, `SpectralNorm(n_power_iterations=1.5)` and
     `with_kv_cache(batch_size=2.5)` were taken, a string gave a bare `TypeError`,
     and `Accuracy(top_k=jnp.int32(2))` was refused while `Counter` took it;
-    `EMA(warmup_length=1.5)` and `SpectralNorm(input_ndim=1.5)` were cut to 1.)"""
+    `EMA(warmup_length=1.5)` and `SpectralNorm(input_ndim=1.5)` were cut to 1,
+    and `Accuracy(num_classes=2.5)` and `Precision(pos_label=1.5)` were taken.)"""
     got = number_options["int"]
-    assert len(got) == 12 * 8
+    assert len(got) == 14 * 8
     for case, (rule, result) in got.items():
         builder, option = case.split(" / ")[0].split(" ", 1)
         if rule == "TypeError":
@@ -402,7 +408,7 @@ def test_every_real_number_option_takes_numbers_and_refuses_the_rest(number_opti
     "5")` raised Python's bare "'<=' not supported", and `Dropout(True)` was a
     probability of 1.)"""
     got = number_options["real"]
-    assert len(got) == 7 * 7
+    assert len(got) == 8 * 7
     for case, result in got.items():
         builder, option = case.split(" / ")[0].split(" ", 1)
         label = case.split(" / ")[1]

@@ -62,7 +62,7 @@ def test_counts_take_floating_or_signed_integer_dtypes(factory):
     for dtype in (jnp.uint8, jnp.uint32, jnp.bool_, jnp.complex64):
         with pytest.raises(ValueError, match="or, to count whole numbers exactly"):
             factory(dtype=dtype)
-    for dtype in (jnp.float32, jnp.int32, jnp.int8):
+    for dtype in (jnp.float32, jnp.int32):
         factory(dtype=dtype)
 
 
@@ -87,10 +87,23 @@ def test_narrow_inputs_are_counted_exactly_by_float32_statistics():
 @pytest.mark.parametrize("factory", VALUES)
 def test_kept_values_take_floating_or_integer_dtypes(factory):
     for dtype in (jnp.bool_, jnp.complex64):
-        with pytest.raises(ValueError, match="floating or integer dtype"):
+        with pytest.raises(
+            ValueError, match="floating dtype or an integer dtype of 32 bits"
+        ):
             factory(dtype=dtype)
-    for dtype in (jnp.float32, jnp.int32, jnp.uint8):
+    for dtype in (jnp.float32, jnp.int32, jnp.uint32):
         factory(dtype=dtype)
+
+
+@pytest.mark.parametrize("factory", COUNTS + VALUES)
+def test_integer_statistics_narrower_than_32_bits_are_refused(factory):
+    """An int8 count wraps without a word (`ConfusionMatrix(2, dtype=int8)` read
+    -86 for scikit-learn's 170, and `Recall(average="micro")` 1.536 for 0.85), and
+    JAX sums int8 and int16 in 32 bits, so every update of such a metric failed.
+    Refused when the metric is built; the inputs may be narrow."""
+    for dtype in (jnp.int8, jnp.int16, jnp.uint8, jnp.uint16):
+        with pytest.raises(ValueError, match="Keep integer statistics in jnp.int32"):
+            factory(dtype=dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,12 +136,78 @@ def test_integer_sums_and_extremes_refuse_fractional_values_at_update(mode):
     for metric in [
         esm.Sum(dtype=jnp.int32),
         esm.Min(dtype=jnp.int32),
-        esm.Max(dtype=jnp.int16),
+        esm.Max(dtype=jnp.int32),
         esm.LastValue(dtype=jnp.int32),
     ]:
         name = type(metric).__name__
         with pytest.raises(TypeError, match=rf"{name}\(dtype=int\d+\).*2.5 would"):
             run(metric, mode, x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inputs_the_statistics_cannot_hold_are_refused_not_wrapped(mode):
+    """A cast into the statistics' dtype wrapped or rounded inputs of the same kind:
+    `Max(dtype=int32)` of uint32 [3e9, 7] read 7 (NumPy: 3e9), `Min(dtype=uint32)`
+    of [-1, 3] read 3, `Max(dtype=bfloat16)` of float32 1.001 read 1.0. Refused at
+    `update`, as a state write refuses a narrowing cast; inputs the statistics hold
+    (narrower integers, Python numbers) give NumPy's numbers."""
+    big = np.array([3_000_000_000, 7], np.uint32)
+    for metric, x in [
+        (esm.Max(dtype=jnp.int32), big),
+        (esm.Min(dtype=jnp.int32), big),
+        (esm.Sum(dtype=jnp.int32), big),
+        (esm.LastValue(dtype=jnp.int32), big[0]),
+        (esm.Min(dtype=jnp.uint32), np.array([-1, 3], np.int32)),
+        (esm.Max(dtype=jnp.bfloat16), np.array([1.001], np.float32)),
+    ]:
+        name = type(metric).__name__
+        with pytest.raises(TypeError, match=rf"{name}\(dtype=\w+\).*do not hold"):
+            run(metric, mode, x)
+    small = np.array([-100, 27, 5], np.int8)
+    assert int(run(esm.Max(dtype=jnp.int32), mode, small).compute()) == small.max()
+    assert int(run(esm.Min(dtype=jnp.int32), mode, small).compute()) == small.min()
+    assert int(run(esm.Sum(dtype=jnp.int32), mode, small).compute()) == small.sum()
+    assert float(run(esm.Max(), mode, big).compute()) == np.float32(big.max())
+    got = run(esm.Max(dtype=jnp.bfloat16), mode, jnp.asarray([1.001], jnp.bfloat16))
+    assert float(got.compute()) == float(jnp.bfloat16(1.001))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ignore_index_outside_the_labels_dtype_ignores_nothing(mode):
+    """uint8 labels with `ignore_index=-1` (or int8 with 255) raised NumPy's bare
+    OverflowError in the confusion-matrix metrics: no label of that dtype is the
+    index, so nothing is ignored, as scikit-learn counts the same labels (and as
+    Accuracy already did)."""
+    rng = np.random.default_rng(4)
+    y = rng.integers(0, 3, 50).astype(np.uint8)
+    p = np.where(rng.random(50) < 0.6, y, rng.integers(0, 3, 50)).astype(np.int32)
+    for ignore in (-1, 300):
+        cm = run(esm.ConfusionMatrix(3, ignore_index=ignore), mode, p, y)
+        np.testing.assert_array_equal(cm.compute(), skm.confusion_matrix(y, p))
+        r = run(esm.Recall(3, average="macro", ignore_index=ignore), mode, p, y)
+        close(r.compute(), skm.recall_score(y, p, average="macro"))
+    y8 = y.astype(np.int8)
+    f1 = run(esm.F1(3, average="micro", ignore_index=255), mode, p, y8)
+    close(f1.compute(), skm.f1_score(y8, p, average="micro"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_threshold_compares_narrow_probabilities_exactly(mode):
+    """ "Predicted 1 where the probability is > threshold", for the probability as
+    given: bfloat16 0.30078125 is > 0.3 (bfloat16(0.3) is not; Recall read 0.0),
+    float16 0.7001953125 is > 0.7. Reference: the comparison in float64."""
+    for dtype, prob, t in (
+        (jnp.bfloat16, 0.30078125, 0.3),
+        (jnp.float16, 0.7001953125, 0.7),
+    ):
+        probs = jnp.asarray([prob, 0.1, prob], dtype)
+        y = np.array([1, 0, 0])
+        want_pred = (np.asarray(probs, np.float64) > t).astype(int)
+        assert want_pred.tolist() == [1, 0, 1]
+        r = run(esm.Recall(2, threshold=t), mode, probs, y)
+        close(r.compute(), skm.recall_score(y, want_pred))
+        a = run(esm.Accuracy(threshold=t), mode, probs, y)
+        close(a.compute(), skm.accuracy_score(y, want_pred))
 
 
 @pytest.mark.parametrize("mode", MODES)
