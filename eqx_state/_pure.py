@@ -360,9 +360,11 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
 
 class NeedsFirstCall(StepError):
     """Raised while tracing a scan whose carry cannot keep one type: a call turns a
-    Python number of the carry into an array (a float hyperparameter), or returns a
+    Python number of the carry into an array (a float hyperparameter), returns a
     weakly typed array strongly typed (`jnp.asarray(1e-3)` as a learning rate, a
-    weakly typed parameter such as `eqx.nn.PReLU`'s). `K` separate calls compute
+    weakly typed parameter such as `eqx.nn.PReLU`'s), or returns a leaf of another
+    dtype (Adam's bfloat16 moment promoted by a float32 hyperparameter of
+    `optax.inject_hyperparams`). `K` separate calls compute
     every call after such a change with the new type, so the runner makes the first
     call on its own and scans the others (`run_scan`), which equals `K` calls.
     Raised while tracing, before anything runs; never reaches the user."""
@@ -454,28 +456,22 @@ def scan_calls(
                 "A call inside `scan` changed the structure of the model or the "
                 "optimizer state; `scan` carries them from one call to the next."
             )
-        weak_changed = []
         for path, (n, o) in _paired(new_arrays, arrays):
             tn, to = jax.typeof(n), jax.typeof(o)
+            # K separate calls compute the next call with the new type (a
+            # bfloat16 moment that an optimizer's float32 hyperparameter promotes;
+            # a weak type that takes the other operand's dtype); a scan's carry
+            # keeps one type: the first call runs on its own (see `NeedsFirstCall`)
             if tn.dtype != to.dtype:
-                raise StepError(
-                    f"A call inside `scan` changed the dtype of {path} from "
-                    f"{to.dtype} to {tn.dtype}; `scan` carries the model and the "
-                    "optimizer state from one call to the next, so each leaf must "
-                    "keep its dtype."
+                raise NeedsFirstCall(
+                    f"{path} comes back {tn.dtype} from a call that got it {to.dtype}"
                 )
             if tn.weak_type != to.weak_type:
-                weak_changed.append((path, tn.weak_type, to.weak_type))
-        if weak_changed:
-            # K separate calls compute the next call with the new type (a weak type
-            # takes the other operand's dtype); a scan's carry keeps one type: the
-            # first call runs on its own (see `NeedsFirstCall`). Raised after every
-            # leaf's dtype is checked, so a refusal comes before anything runs.
-            path, new_weak, old_weak = weak_changed[0]
-            raise NeedsFirstCall(
-                f"{path} comes back {'weakly' if new_weak else 'strongly'} typed "
-                f"from a call that got it {'weakly' if old_weak else 'strongly'} typed"
-            )
+                raise NeedsFirstCall(
+                    f"{path} comes back {'weakly' if tn.weak_type else 'strongly'} "
+                    f"typed from a call that got it "
+                    f"{'weakly' if to.weak_type else 'strongly'} typed"
+                )
         changed = _changed_python_value(new_static, static)
         if changed is not None:
             # a call changes a Python value of the carry (an optimizer's Python

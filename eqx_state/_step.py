@@ -237,7 +237,11 @@ class Step:
         result is what `K` calls of the step would give — every state write lands
         once per step, in both modes — in one `jax.jit` call that runs the steps in
         a `lax.scan`, carrying the model and the optimizer state in place. It
-        compiles once per `K` and donates like a step.
+        compiles once per `K` and donates like a step. In float32 and float64 the
+        numbers are those of `K` calls, bit for bit; with bfloat16 or float16
+        arithmetic XLA may round a loop body's intermediates differently from
+        separate calls (a hand-written `lax.scan` gives the scan's numbers), so
+        they can differ in the last bits of the narrow type.
 
         **Arguments:**
 

@@ -244,11 +244,14 @@ def test_scan_of_a_carry_whose_weak_type_changes_equals_k_steps(weak):
         assert not got.a.weak_type and not got_s.hyperparams["learning_rate"].weak_type
 
 
-def test_a_scan_refusal_comes_before_any_step_runs():
-    """A carry with a weakly typed leaf (which makes `scan` run its first step
-    alone) and a leaf whose dtype flips every step (which one scan cannot carry):
-    the refusal comes while tracing, before the first step ran, so the ref-mode
-    model is untouched and still usable (it ran step 1, then lost its result)."""
+def test_a_scan_whose_carry_changes_dtype_every_step_equals_k_steps():
+    """A carry with a weakly typed leaf and a leaf whose dtype flips every step
+    (one scan cannot carry it): K step calls take it (each call compiles for the
+    types it is given), so `step.scan` makes the same K calls: the first on its
+    own, and, as the types keep changing, the others one by one. (It raised "changed
+    the dtype" before, as did an optimizer whose bfloat16 moment a float32
+    hyperparameter promotes after the first step.) Reference: K calls of `step` on
+    an identical ref-mode model, and what the optimizer's own rule gives."""
     base = optax.sgd(0.1)
 
     def init(p):
@@ -259,20 +262,70 @@ def test_a_scan_refusal_comes_before_any_step_runs():
         flipped = jnp.float16 if s[1].dtype == jnp.float32 else jnp.float32
         return u, (s[0] + jnp.ones((), jnp.float32), s[1].astype(flipped), b)
 
-    model = es.to_refs(
-        eqx.nn.Sequential(
-            [
-                es.nn.Batched(eqx.nn.Linear(2, 3, key=jax.random.key(0))),
-                es.nn.BatchNorm(3),
-            ]
+    def fresh():
+        return es.to_refs(
+            eqx.nn.Sequential(
+                [
+                    es.nn.Batched(eqx.nn.Linear(2, 3, key=jax.random.key(0))),
+                    es.nn.BatchNorm(3),
+                ]
+            )
         )
-    )
+
     step = es.make_step(
         lambda m, x: jnp.mean(m(x) ** 2), optax.GradientTransformation(init, update)
     )
-    opt_state = step.init(model)
-    with pytest.raises(es.StepError, match=r"changed the dtype of \[1\]\[1\]"):
-        step.scan(model, opt_state, jnp.ones((3, 8, 2)))
-    assert int(model[1].num_batches_tracked[...]) == 0
-    step(model, opt_state, jnp.ones((8, 2)))  # nothing was consumed
-    assert int(model[1].num_batches_tracked[...]) == 1
+    xs = jax.random.normal(jax.random.key(1), (3, 8, 2))
+    model = fresh()
+    model, opt_state = step.scan(model, step.init(model), xs)
+    ref = fresh()
+    ref_state = step.init(ref)
+    for x in xs:
+        ref, ref_state = step(ref, ref_state, x)
+    assert float(opt_state[0]) == 4.0 and opt_state[1].dtype == jnp.float16
+    assert int(model[1].num_batches_tracked[...]) == 3
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref), strict=True):
+        a, b = (x[...] if isinstance(x, jax.Ref) else x for x in (a, b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bfloat16_moment_promoted_by_a_hyperparameter_scans_like_a_hand_loop():
+    """`optax.inject_hyperparams(optax.adam)` keeps its hyperparameters in float32,
+    so the first update turns Adam's moment of a bfloat16 weight into float32. K
+    step calls take that; `step.scan` refused it ("changed the dtype"). It now
+    equals a hand-written `jax.jit` optax loop bit for bit."""
+
+    class M(eqx.Module):
+        a: jax.Array
+        w: jax.Array
+
+    def loss(m, x):
+        return jnp.mean((m.a * x @ m.w - 1.0) ** 2)
+
+    def fresh():
+        return M(jnp.asarray(1.5), jnp.linspace(0.1, 0.5, 4, dtype=jnp.bfloat16))
+
+    xs = jax.random.normal(jax.random.key(0), (5, 3, 4))
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.05)
+
+    @jax.jit
+    def hand(p, s, x):
+        value, g = jax.value_and_grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    p, s = fresh(), opt.init(fresh())
+    losses = []
+    for x in xs:
+        p, s, value = hand(p, s, x)
+        losses.append(value)
+    assert s.inner_state[0].mu.w.dtype == jnp.float32  # promoted
+    step = es.make_step(loss, opt, return_loss=True)
+    model = fresh()
+    model, opt_state, got = step.scan(model, step.init(model), xs)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(losses))
+    assert model.w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(model.w, np.float32), np.asarray(p.w, np.float32)
+    )
+    np.testing.assert_array_equal(np.asarray(model.a), np.asarray(p.a))
