@@ -61,12 +61,35 @@ def train_step(
     if takes_extra_args(optimizer):
         # optax's extra arguments: an optimizer that needs the loss (e.g.
         # `optax.contrib.reduce_on_plateau`) takes it as `value`
-        updates, opt_state = optimizer.update(grads, opt_state, diff, value=value)
+        try:
+            updates, opt_state = optimizer.update(grads, opt_state, diff, value=value)
+        except TypeError as e:
+            _refuse_extra_args(e)
+            raise
     else:
         updates, opt_state = optimizer.update(grads, opt_state, diff)
     diff = optax.apply_updates(diff, updates)
     model = refreeze(eqx.combine(diff, rest, is_leaf=is_state), made)
     return (model, opt_state), (value, aux)
+
+
+def _refuse_extra_args(e: TypeError) -> None:
+    """optax's refusal of an `update` that needs more extra arguments than the loss
+    (`value=`), e.g. the `grad=` and `value_fn=` of `optax.lbfgs()`'s zoom line
+    search, which evaluates the loss again: a `StepError` that names the fix."""
+    text = str(e)
+    if "required keyword-only argument" in text and (
+        "'value_fn'" in text or "'grad'" in text
+    ):
+        raise StepError(
+            f"The optimizer's update needs arguments that a step does not pass "
+            f"({text.split(': ', 1)[-1]}): `make_step` gives optax's extra arguments "
+            "the loss only (`value=`). A line search that evaluates the loss again "
+            "(`optax.lbfgs()`'s default, `optax.scale_by_zoom_linesearch`) needs "
+            "`value_fn=`: use `optax.lbfgs(linesearch=None)`, or write the loop "
+            "yourself with `optax.value_and_grad_from_state`, as optax's L-BFGS "
+            "example does."
+        ) from e
 
 
 def takes_extra_args(optimizer: Any) -> bool:

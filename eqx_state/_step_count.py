@@ -29,6 +29,12 @@ def step_count(opt_state: Any) -> jax.Array:
       (losses towards its average) and `optax.apply_every`'s (steps modulo `k`).
     * With `optax.MultiSteps`, the number of updates applied, `gradient_step` (not
       the number of calls, `mini_step`).
+    * With `optax.apply_every(k)`, the count of the transformations around it:
+      the number of calls. After it (`chain(apply_every(k), adam)`) that is the
+      number of parameter updates (Adam moves the parameters at every call); before
+      it (`chain(adam, apply_every(k))`) the parameters move every `k`-th call
+      only, so the updates are fewer than the count returned. To count the
+      updates of gradient accumulation, use `optax.MultiSteps`.
 
     **Arguments:**
 

@@ -296,3 +296,34 @@ def test_an_assigned_hyperparameter_array_is_donated_as_documented():
     model, state = step(model, state, jnp.ones((4, 2)), jnp.zeros(4))
     assert float(lr) == pytest.approx(0.05)
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.05)
+
+
+def test_an_optimizer_that_needs_more_than_the_loss_names_the_fix():
+    """`optax.lbfgs()`'s zoom line search needs `grad=` and `value_fn=`, which a
+    step does not pass: a `StepError` naming `linesearch=None` (it was optax's
+    bare "missing 2 required keyword-only arguments"), before anything ran. With
+    `linesearch=None` the step equals optax's own loop."""
+    import optax
+
+    def loss(m, x):
+        return jnp.sum((m["w"] * x - 1.0) ** 2)
+
+    x = jnp.arange(1.0, 4.0)
+    model = {"w": jnp.ones(3)}
+    step = es.make_step(loss, optax.lbfgs())
+    with pytest.raises(es.StepError, match=r"linesearch=None.*value_and_grad_from"):
+        step(model, step.init(model), x)
+    assert model["w"].tolist() == [1.0, 1.0, 1.0]  # not consumed: nothing ran
+
+    opt = optax.lbfgs(linesearch=None)
+    p, s = {"w": jnp.ones(3)}, opt.init({"w": jnp.ones(3)})
+    for _ in range(3):
+        g = jax.grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    step = es.make_step(loss, opt)
+    got = {"w": jnp.ones(3)}
+    got_s = step.init(got)
+    for _ in range(3):
+        got, got_s = step(got, got_s, x)
+    np.testing.assert_allclose(got["w"], p["w"], rtol=1e-6)
