@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -147,6 +148,19 @@ def statistic(
         raise StateTypeError(
             f"statistic: init must be a Python scalar (it is a static fill value), "
             f"got {type(init).__name__}."
+        )
+    start = jnp.full((), init, dtype).item()  # what a fresh or reset cell holds
+    if (
+        not jnp.issubdtype(dtype, jnp.inexact)
+        and start != init
+        or jnp.issubdtype(dtype, jnp.floating)
+        and math.isinf(start)
+        and not math.isinf(init)
+    ):
+        raise StateValueError(
+            f"statistic: init={init!r} is not a value of dtype "
+            f"{jnp.dtype(dtype).name}: the cell would start (and reset) at {start!r}. "
+            "Give an init the dtype holds, or another dtype."
         )
     value = jnp.full(tuple(shape), init, dtype)
     return Statistic(value, init=init, merge=merge)

@@ -339,3 +339,20 @@ def test_accumulate_refuses_a_narrowing_cast(mode):
     assert int(got.total[...]) == 7 and float(got.small[...]) == 0.25
     got = _tally(mode, jnp.bool_(True))
     assert int(got.total[...]) == 1
+
+
+def test_a_statistic_init_its_dtype_does_not_hold_is_refused():
+    """`statistic(dtype=int32, init=0.5)` started (and reset) at 0 while its `init`
+    said 0.5; `dtype=uint32, init=-1` at 4294967295; a float16 init of 1e6 at inf.
+    Each is refused by name; inits the dtype holds are kept exactly (NumPy's cast
+    is the reference)."""
+    import warnings
+
+    for dtype, init in ((jnp.int32, 0.5), (jnp.uint32, -1), (jnp.float16, 1e6)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow
+            with pytest.raises(ValueError, match=rf"init={init!r} is not a value"):
+                es.metrics.statistic(dtype=dtype, init=init)
+    for dtype, init in ((jnp.int32, 3), (jnp.float32, 0.1), (jnp.bool_, True)):
+        cell = es.metrics.statistic(dtype=dtype, init=init)
+        assert cell.value.item() == np.asarray(init, dtype).item()
