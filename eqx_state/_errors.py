@@ -180,7 +180,7 @@ def check_real(where: str, name: str, value: object, hint: str = "") -> float:
     `name` and ending with `hint`. The range is the caller's to check: each option
     has its own (`[0, 1)` for a decay, `> 0` for a bound)."""
     if (
-        isinstance(value, jax.Array | np.ndarray)
+        isinstance(value, jax.Array | np.ndarray | np.generic)
         and not isinstance(value, Tracer)
         and value.ndim == 0
         and (
@@ -188,7 +188,7 @@ def check_real(where: str, name: str, value: object, hint: str = "") -> float:
             or jax.numpy.issubdtype(value.dtype, jax.numpy.integer)
         )
     ):
-        value = value.item()  # a concrete 0-d real array
+        value = value.item()  # a concrete 0-d real array, a NumPy (bfloat16) scalar
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         hint = f" {hint}" if hint else ""
         raise StateTypeError(

@@ -399,7 +399,9 @@ def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> An
     the input types (`NeedsFirstCall`), the first call runs on its own and the other
     `K - 1` in the scan; if their types still change (or the scan refuses what the
     first call returned), one by one: always the same `K` calls, and no call's
-    result is lost to a refusal after it ran."""
+    result is lost to a refusal (a `StepError`) after it ran. An error of another
+    kind after the first call ran (JAX's, for a carry whose shapes change from
+    call to call) reaches the user with the first call's result lost."""
     try:
         return scan.call(carry, args, kwargs)
     except NeedsFirstCall:

@@ -241,7 +241,8 @@ class Step:
         numbers are those of `K` calls, bit for bit; with bfloat16 or float16
         arithmetic XLA may round a loop body's intermediates differently from
         separate calls (a hand-written `lax.scan` gives the scan's numbers), so
-        they can differ in the last bits of the narrow type.
+        results, and the float32 values computed from them, can differ in their
+        last bits.
 
         **Arguments:**
 

@@ -30,11 +30,9 @@ def step_count(opt_state: Any) -> jax.Array:
     * With `optax.MultiSteps`, the number of updates applied, `gradient_step` (not
       the number of calls, `mini_step`).
     * With `optax.apply_every(k)`, the count of the transformations around it:
-      the number of calls. After it (`chain(apply_every(k), adam)`) that is the
-      number of parameter updates (Adam moves the parameters at every call); before
-      it (`chain(adam, apply_every(k))`) the parameters move every `k`-th call
-      only, so the updates are fewer than the count returned. To count the
-      updates of gradient accumulation, use `optax.MultiSteps`.
+      the number of calls, not of parameter updates (`apply_every` passes on
+      zeros until its `k`-th call, so the parameters do not move at every call).
+      To count the updates of gradient accumulation, use `optax.MultiSteps`.
 
     **Arguments:**
 

@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import MetricState, _LayerBase, is_state
+from .._compat import Tracer
 from .._errors import (
     StateNotImplementedError,
     StateTypeError,
@@ -237,8 +238,7 @@ _DTYPE_KINDS = {
     "counts": "a floating dtype of 32 bits or more (jnp.float32, jnp.float64 with "
     "x64) or, to count whole numbers exactly, a signed integer dtype (jnp.int32, "
     "jnp.int64 with x64)",
-    "values": "a floating dtype or an integer dtype of 32 bits or more (jnp.int32, "
-    "jnp.uint32)",
+    "values": "a floating or integer dtype",
 }
 
 
@@ -260,7 +260,7 @@ def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
                 "statistics in jnp.float32 (the default); the inputs may be "
                 f"{d.name}."
             )
-        if jnp.issubdtype(d, jnp.integer) and d.itemsize < 4:
+        if jnp.issubdtype(d, jnp.integer) and d.itemsize < 4 and kind != "values":
             raise StateValueError(
                 f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. "
                 f"An {d.name} statistic would wrap around silently (a count of "
@@ -305,12 +305,24 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
     """Refuse an input that the metric's statistics (of `dtype`) would truncate: a
     float (or a weight of 0.5) added into integer counts, a complex number into a
     float. The rule of a state write ([`eqx_state.Buffer`][]): never down the ladder
-    bool < integer < floating < complex. Static (dtypes only): no runtime cost."""
+    bool < integer < floating < complex; within a kind, a dtype the statistics
+    do not hold (uint32 into int32 statistics), or a Python int out of their range.
+    By dtype (no runtime cost), except a concrete Python int, checked by value."""
     for name, x in inputs.items():
         if x is None:
             continue
+        if _kind(dtype) == 1 and isinstance(x, int) and not isinstance(x, bool):
+            _check_in_range(metric, dtype, name, x, x)  # a Python int is cast
         x = jnp.asarray(x)
         src = x.dtype
+        if (
+            _kind(dtype) == 1
+            and _kind(src) == 1
+            and getattr(x, "weak_type", False)
+            and not isinstance(x, Tracer)
+            and x.size
+        ):  # a concrete weakly typed integer (a Python int made an array): cast too
+            _check_in_range(metric, dtype, name, int(jnp.min(x)), int(jnp.max(x)))
         if _kind(src) < _kind(dtype):
             continue
         if _kind(src) == _kind(dtype):
@@ -334,6 +346,21 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
             f"would truncate ({example}). Build the metric with a floating dtype "
             "(dtype=jnp.float32, the default) to accumulate fractional data, or "
             f"pass whole numbers as integers (`{name}.astype(jnp.int32)`)."
+        )
+
+
+def _check_in_range(metric: str, dtype: Any, name: str, low: int, high: int):
+    """Refuse integers from `low` to `high` that integer statistics of `dtype` do
+    not hold: a weakly typed input is cast, and the cast would wrap it (-1 into
+    uint32 reads 4294967295)."""
+    info = jnp.iinfo(dtype)
+    if low < info.min or high > info.max:
+        raise StateTypeError(
+            f"{metric}(dtype={jnp.dtype(dtype).name}).update: `{name}` holds "
+            f"{low if low < info.min else high}, which statistics of dtype "
+            f"{jnp.dtype(dtype).name} do not hold (they hold {info.min} to "
+            f"{info.max}). Build the metric with a dtype that holds it "
+            "(jnp.float32, the default), or pass a value in range."
         )
 
 

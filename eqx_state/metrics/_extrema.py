@@ -68,7 +68,9 @@ class _Extremum(Metric):
         neutral = _default_init(self._reduction, dtype)
         values = jnp.where(keep, values, jnp.full_like(values, neutral))
         reduce = jnp.min if self._reduction == "min" else jnp.max
-        extreme = reduce(values, initial=neutral)
+        # the identity as an array of the dtype: a Python int past int32 (uint32's
+        # largest) overflows as JAX's weakly typed argument
+        extreme = reduce(values, initial=jnp.asarray(neutral, dtype))
         self.accumulate(value=extreme, count=jnp.sum(w))
 
     def compute(self) -> RealScalar:

@@ -63,6 +63,8 @@ def _ignored(labels: Array, ignore_index: int | None) -> Array | None:
     """Where the labels are `ignore_index` (None without one)."""
     if ignore_index is None:
         return None
+    if labels.dtype == jnp.bool_:  # compared as the numbers 0 and 1
+        labels = labels.astype(jnp.int32)
     if jnp.issubdtype(labels.dtype, jnp.integer):
         info = jnp.iinfo(labels.dtype)
         if not info.min <= ignore_index <= info.max:  # no label of this dtype is it

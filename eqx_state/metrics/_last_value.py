@@ -122,7 +122,9 @@ class LastValue(Metric):
         # a masked sum rather than `value[last]`: no dynamic index, so it also works
         # on a batch sharded across devices
         chosen = (index == last).reshape((n,) + (1,) * len(self.shape))
-        picked = jnp.sum(jnp.where(chosen, value, jnp.zeros_like(value)), axis=0)
+        picked = jnp.sum(
+            jnp.where(chosen, value, jnp.zeros_like(value)), axis=0, dtype=dtype
+        )  # one nonzero term: exact in the value's dtype (JAX sums int8 in int32)
         self.accumulate(value=picked, count=count)
 
     def merge_statistics(

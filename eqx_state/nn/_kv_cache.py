@@ -5,6 +5,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
@@ -263,7 +264,7 @@ class KVCache(_LayerBase):
         """
         cursor = self.cursor[...]
         length = jnp.asarray(length)
-        if length.ndim and length.shape != cursor.shape:
+        if length.ndim and not _broadcasts(length.shape, cursor.shape):
             held = (
                 f"a batch of {cursor.shape[0]} sequences (built with `batch_size="
                 f"{cursor.shape[0]}`): give one length per sequence, shape "
@@ -298,3 +299,11 @@ class KVCache(_LayerBase):
         for cell in (self.keys, self.values):
             cell[...] = jnp.where(keep, cell[...], jnp.zeros((), cell.dtype))
         self.cursor[...] = length
+
+
+def _broadcasts(shape: tuple, to: tuple) -> bool:
+    """Whether an array of `shape` broadcasts to `to` (NumPy's rule)."""
+    try:
+        return np.broadcast_shapes(shape, to) == tuple(to)
+    except ValueError:
+        return False

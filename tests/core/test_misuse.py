@@ -355,7 +355,9 @@ def real_outcome(f, v):
 real = {}
 for name, (f, whole) in reals.items():
     for label, v in [("float", 0.25), ("int", whole), ("numpy", np.float32(0.25)),
-                     ("jax 0-d", jnp.float32(0.25)), ("string", "0.25"),
+                     ("jax 0-d", jnp.float32(0.25)),
+                     ("numpy bfloat16", jnp.finfo(jnp.bfloat16).dtype.type(0.25)),
+                     ("string", "0.25"),
                      ("bool", True), ("jax 1-d", jnp.array([0.25]))]:
         real[f"{name} / {label}"] = real_outcome(f, v)
 print(json.dumps({"int": out, "real": real}))
@@ -408,7 +410,7 @@ def test_every_real_number_option_takes_numbers_and_refuses_the_rest(number_opti
     "5")` raised Python's bare "'<=' not supported", and `Dropout(True)` was a
     probability of 1.)"""
     got = number_options["real"]
-    assert len(got) == 8 * 7
+    assert len(got) == 8 * 8
     for case, result in got.items():
         builder, option = case.split(" / ")[0].split(" ", 1)
         label = case.split(" / ")[1]

@@ -87,20 +87,19 @@ def test_narrow_inputs_are_counted_exactly_by_float32_statistics():
 @pytest.mark.parametrize("factory", VALUES)
 def test_kept_values_take_floating_or_integer_dtypes(factory):
     for dtype in (jnp.bool_, jnp.complex64):
-        with pytest.raises(
-            ValueError, match="floating dtype or an integer dtype of 32 bits"
-        ):
+        with pytest.raises(ValueError, match="floating or integer dtype"):
             factory(dtype=dtype)
-    for dtype in (jnp.float32, jnp.int32, jnp.uint32):
+    for dtype in (jnp.float32, jnp.int32, jnp.uint32, jnp.uint8, jnp.int16):
         factory(dtype=dtype)
 
 
-@pytest.mark.parametrize("factory", COUNTS + VALUES)
-def test_integer_statistics_narrower_than_32_bits_are_refused(factory):
+@pytest.mark.parametrize("factory", COUNTS)
+def test_integer_counts_narrower_than_32_bits_are_refused(factory):
     """An int8 count wraps without a word (`ConfusionMatrix(2, dtype=int8)` read
     -86 for scikit-learn's 170, and `Recall(average="micro")` 1.536 for 0.85), and
     JAX sums int8 and int16 in 32 bits, so every update of such a metric failed.
-    Refused when the metric is built; the inputs may be narrow."""
+    Refused when the metric is built; the inputs may be narrow. (A kept value,
+    `Min`, `Max`, `LastValue`, cannot overflow: narrow integers are fine there.)"""
     for dtype in (jnp.int8, jnp.int16, jnp.uint8, jnp.uint16):
         with pytest.raises(ValueError, match="Keep integer statistics in jnp.int32"):
             factory(dtype=dtype)
@@ -170,6 +169,29 @@ def test_inputs_the_statistics_cannot_hold_are_refused_not_wrapped(mode):
     assert float(run(esm.Max(), mode, big).compute()) == np.float32(big.max())
     got = run(esm.Max(dtype=jnp.bfloat16), mode, jnp.asarray([1.001], jnp.bfloat16))
     assert float(got.compute()) == float(jnp.bfloat16(1.001))
+    # a Python int is cast, so it must fit: -1 into uint32 read 4294967295 (x64)
+    # or raised JAX's bare OverflowError
+    low = esm.Min(dtype=jnp.uint32)
+    with pytest.raises(TypeError, match=r"Min\(dtype=uint32\).*-1.*do not hold"):
+        if mode == "ref":
+            es.to_refs(low).update(-1)
+        else:
+            es.apply(lambda m: m.update(-1), low)
+    assert int(run(esm.Min(dtype=jnp.uint32), mode, 5).compute()) == 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kept_values_of_narrow_and_unsigned_integer_dtypes_equal_numpy(mode):
+    """`LastValue(dtype=int8)` raised at every update (JAX summed its pick in
+    int32) and `Min(dtype=uint32)` overflowed its identity 2**32 - 1 as a weakly
+    typed argument; both equal NumPy now, as `Max(dtype=uint8)` did."""
+    for dtype in (np.int8, np.uint8, np.int16, np.uint32):
+        info = np.iinfo(dtype)
+        x = np.array([info.max, info.min, 7], dtype)
+        assert int(run(esm.Max(dtype=dtype), mode, x).compute()) == x.max()
+        assert int(run(esm.Min(dtype=dtype), mode, x).compute()) == x.min()
+        got = run(esm.LastValue(dtype=dtype), mode, x).compute()
+        assert int(got) == x[-1]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -341,3 +363,16 @@ def test_seen_merges_as_one_pass_and_resets(cls, fn):
     fresh = es.reset(merged)
     assert not np.asarray(fresh.seen[...]).any()
     assert float(fresh.compute()) == 0.0
+
+
+def test_an_ignore_index_on_bool_labels_compares_the_numbers_0_and_1():
+    """Bool labels (taken without the type hook's `Integer` check, as users call
+    it) are the numbers 0 and 1: `ignore_index=-1` ignores none of them (it was
+    cast to `True`, which dropped every positive example), 1 the positives.
+    Reference: NumPy's comparison of the numbers."""
+    from eqx_state.metrics._labels import _ignored
+
+    labels = np.array([True, False, True, False])
+    for index in (-1, 0, 1, 2, 255):
+        got = _ignored(jnp.asarray(labels), index)
+        np.testing.assert_array_equal(got, labels.astype(np.int64) == index)

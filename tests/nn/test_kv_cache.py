@@ -644,8 +644,11 @@ def test_truncate_with_lengths_of_another_shape_names_the_fix():
         single.truncate(jnp.array([1, 1]))
     assert batched.cursor[...].tolist() == [2, 2, 2]
     assert int(single.cursor[...]) == 2
-    batched.truncate(1)  # one for all
+    batched.truncate(1)  # one for all, also as an array that broadcasts
     assert batched.cursor[...].tolist() == [1, 1, 1]
+    batched.truncate(jnp.array([0]))
+    assert batched.cursor[...].tolist() == [0, 0, 0]
+    batched.cursor[...] = jnp.array([1, 1, 1], batched.cursor.dtype)
     batched.truncate(jnp.array([0, 1, 0]))
     assert batched.cursor[...].tolist() == [0, 1, 0]
 
