@@ -322,7 +322,8 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
             and not isinstance(x, Tracer)
             and x.size
         ):  # a concrete weakly typed integer (a Python int made an array): cast too
-            _check_in_range(metric, dtype, name, int(jnp.min(x)), int(jnp.max(x)))
+            v = np.asarray(x)  # read on the host: nothing staged into a trace
+            _check_in_range(metric, dtype, name, int(v.min()), int(v.max()))
         if _kind(src) < _kind(dtype):
             continue
         if _kind(src) == _kind(dtype):

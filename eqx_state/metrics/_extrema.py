@@ -94,8 +94,8 @@ class Min(_Extremum):
         [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the minimum (default float32); an integer dtype (32 bits
-        or more) takes integer values it holds only: a float, or an integer of a
+    - `dtype`: the dtype of the minimum (default float32); an integer dtype takes
+        integer values it holds only: a float, or an integer of a
         dtype it does not hold (uint32 into int32), raises a `TypeError` at
         `update` rather than being truncated or wrapped.
 
@@ -128,8 +128,8 @@ class Max(_Extremum):
         [`eqx_state.metrics.Mean`][]).
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
-    - `dtype`: the dtype of the maximum (default float32); an integer dtype (32 bits
-        or more) takes integer values it holds only: a float, or an integer of a
+    - `dtype`: the dtype of the maximum (default float32); an integer dtype takes
+        integer values it holds only: a float, or an integer of a
         dtype it does not hold (uint32 into int32), raises a `TypeError` at
         `update` rather than being truncated or wrapped.
 

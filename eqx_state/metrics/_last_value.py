@@ -39,7 +39,7 @@ class LastValue(Metric):
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the value (default float32); an integer dtype
-        (32 bits or more) takes integer values it holds only: a float, or an
+        takes integer values it holds only: a float, or an
         integer of a dtype it does not hold (uint32 into int32), raises a
         `TypeError` at `update` rather than being truncated or wrapped.
 

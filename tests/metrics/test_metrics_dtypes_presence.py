@@ -10,6 +10,7 @@
   sample weights, 0 included: a weight of 0 is not a mask, `mask=` and padding
   labels are. The "seen" statistic merges (two halves = one pass) and resets."""
 
+import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -376,3 +377,28 @@ def test_an_ignore_index_on_bool_labels_compares_the_numbers_0_and_1():
     for index in (-1, 0, 1, 2, 255):
         got = _ignored(jnp.asarray(labels), index)
         np.testing.assert_array_equal(got, labels.astype(np.int64) == index)
+
+
+def test_a_weakly_typed_integer_constant_updates_integer_statistics_under_jit():
+    """A concrete weakly typed constant (`jnp.asarray(3)` made outside) closed over
+    by a jitted function or a scan body: the range check reads it on the host
+    (`int(jnp.min(c))` inside the trace raised a ConcretizationTypeError).
+    Reference: NumPy's sums and maxima of the same numbers."""
+    c, w = jnp.asarray(3), jnp.full((3,), 2)
+    assert c.weak_type and w.weak_type
+    v = jnp.array([1, 2, 3], jnp.int32)
+
+    @eqx.filter_jit
+    def update(metric):
+        return es.apply(lambda m: m.update(c), metric)[1]
+
+    assert int(update(esm.Sum(dtype=jnp.int32)).compute()) == 3
+    assert int(update(esm.Max(dtype=jnp.uint8)).compute()) == 3
+    weighted = eqx.filter_jit(
+        lambda m: es.apply(lambda m: m.update(v, sample_weight=w), m)[1]
+    )(esm.Sum(dtype=jnp.int32))
+    assert int(weighted.compute()) == int(np.sum(np.array([1, 2, 3]) * 2))
+    _, total = es.make_apply(lambda m, x: m.update(c)).scan(
+        esm.Sum(dtype=jnp.int32), jnp.zeros((2, 1))
+    )
+    assert int(total.compute()) == 6
