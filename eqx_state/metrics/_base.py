@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -150,18 +151,27 @@ def statistic(
             f"statistic: init must be a Python scalar (it is a static fill value), "
             f"got {type(init).__name__}."
         )
-    start = jnp.full((), init, dtype).item()  # what a fresh or reset cell holds
+    # what a fresh or reset cell holds, computed on the host (a model may be built
+    # inside a trace: `eqx.filter_eval_shape` of an abstract model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow to inf
+        try:
+            start = np.array(init, dtype=jnp.dtype(dtype)).item()
+        except (OverflowError, ValueError):  # NumPy refuses -1 as uint32
+            start = None
     if (
-        not jnp.issubdtype(dtype, jnp.inexact)
+        start is None
+        or not jnp.issubdtype(dtype, jnp.inexact)
         and start != init
         or jnp.issubdtype(dtype, jnp.floating)
         and math.isinf(start)
         and not math.isinf(init)
     ):
+        held = "it cannot hold it" if start is None else f"it would be {start!r}"
         raise StateValueError(
             f"statistic: init={init!r} is not a value of dtype "
-            f"{jnp.dtype(dtype).name}: the cell would start (and reset) at {start!r}. "
-            "Give an init the dtype holds, or another dtype."
+            f"{jnp.dtype(dtype).name}: {held} in the cell, which starts and resets "
+            "at its init. Give an init the dtype holds, or another dtype."
         )
     value = jnp.full(tuple(shape), init, dtype)
     return Statistic(value, init=init, merge=merge)

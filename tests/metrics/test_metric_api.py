@@ -356,3 +356,7 @@ def test_a_statistic_init_its_dtype_does_not_hold_is_refused():
     for dtype, init in ((jnp.int32, 3), (jnp.float32, 0.1), (jnp.bool_, True)):
         cell = es.metrics.statistic(dtype=dtype, init=init)
         assert cell.value.item() == np.asarray(init, dtype).item()
+    # the check runs on the host: metrics can be built inside a trace (an abstract
+    # model for a checkpoint restore), where reading a device value raised
+    abstract = eqx.filter_eval_shape(lambda: esm.Metrics(a=esm.Accuracy(), s=esm.Sum()))
+    assert jax.tree.leaves(abstract)[0].shape == ()
