@@ -293,6 +293,12 @@ def saved_value(x: Any, caller: str, leaf: str, cell: str | None = None) -> Any:
         _check_dtype(leaf, np.asarray(x).dtype)
         return x
     if _is_python_scalar(x):
+        if type(x) is int and not -(2**63) <= x < 2**64:
+            raise CheckpointError(
+                f"Cannot save the {leaf}: the Python int {x} does not fit in 64 bits "
+                "(a checkpoint holds ints from -2**63 to 2**64 - 1). Save it as a "
+                "string, or split it into 64-bit parts."
+            )
         return x
     return None
 
@@ -304,11 +310,8 @@ def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
     if _is_python_scalar(leaf):
         type_name = type(leaf).__name__
         dtype = _PYTHON_TYPES[type_name][1]
-        if type_name == "int" and not -(2**63) <= leaf < 2**63:
-            raise CheckpointError(
-                f"Cannot save the leaf at {name}: the Python int {leaf} does not fit in "
-                "64 bits."
-            )
+        if type_name == "int" and leaf >= 2**63:  # up to 2**64 - 1 (`saved_value`)
+            dtype = "uint64"
         entry = {"kind": "python", "python_type": type_name}
         return entry, np.asarray(leaf, dtype=dtype)
     if isinstance(leaf, np.generic):
@@ -402,6 +405,13 @@ def _checked_path(path: str) -> str:
         raise CheckpointError(
             f"Cannot save to {path!r}: it is a directory. Give a file name."
         )
+    if os.path.exists(target) and not os.path.isfile(target):
+        # a save replaces the file: a device or a FIFO would be replaced by one
+        raise CheckpointError(
+            f"Cannot save to {path!r}: it is not a regular file (a device, a FIFO or "
+            "a socket), which a save would replace. To write into it, pass a file "
+            f"object: `with open({path!r}, 'wb') as f: es.save(f, tree)`."
+        )
     folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         raise CheckpointError(
@@ -412,21 +422,48 @@ def _checked_path(path: str) -> str:
     return target
 
 
+def _temp_stem(base: str) -> str:
+    """The start of the temporary files' names of a save to the file `base`:
+    `.BASE.`, with BASE shortened so that the whole name (`_temp_stem(base)`, 12 hex
+    digits, `_TMP_SUFFIX`) fits the 255 bytes a file name may have."""
+    room = 255 - len(f"..{'0' * 12}{_TMP_SUFFIX}")
+    while len(os.fsencode(base)) > room:
+        base = base[:-1]
+    return f".{base}."
+
+
+def _open_temp(path: str, folder: str, stem: str) -> tuple[str, int]:
+    """Create and lock a new temporary file for a save: its name and descriptor."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    while True:
+        tmp = os.path.join(folder, f"{stem}{secrets.token_hex(6)}{_TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
+        except OSError as e:  # no permission, a read-only file system, ...
+            raise CheckpointError(
+                f"Cannot save to {path!r}: no file can be created in {folder!r} "
+                f"({e.strerror or e}). Save into a folder you can write to."
+            ) from e
+        if fcntl is None:  # pragma: no cover - Windows
+            return tmp, fd
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while writing: never cleaned then
+        # Another save's `_remove_stale_temps` may have locked and deleted the file
+        # between `os.open` and `flock`: then start again with a new one.
+        try:
+            same = os.path.samestat(os.stat(tmp), os.fstat(fd))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return tmp, fd
+        os.close(fd)
+
+
 def _write_path(path: str, target: str, parts: list[Any]) -> None:
     folder, base = os.path.split(target)
-    _remove_stale_temps(folder, base)
-    tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}{_TMP_SUFFIX}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    stem = _temp_stem(base)
+    _remove_stale_temps(folder, stem)
+    tmp, fd = _open_temp(path, folder, stem)
     try:
-        fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
-    except OSError as e:  # no permission, a read-only file system, ...
-        raise CheckpointError(
-            f"Cannot save to {path!r}: no file can be created in {folder!r} "
-            f"({e.strerror or e}). Save into a folder you can write to."
-        ) from e
-    try:
-        if fcntl is not None:  # held while writing: a live save is never cleaned
-            fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             mode = stat.S_IMODE(os.stat(target).st_mode)
         except FileNotFoundError:
@@ -451,15 +488,14 @@ def _write_path(path: str, target: str, parts: list[Any]) -> None:
         os.close(fd)
 
 
-def _remove_stale_temps(folder: str, base: str) -> None:
-    """Delete the temporary files that killed saves of the same target left behind.
-    A save holds a lock on its temporary file until it ends, so a file that can be
-    locked belongs to no live save."""
+def _remove_stale_temps(folder: str, stem: str) -> None:
+    """Delete the temporary files (`stem` + 12 hex digits + `_TMP_SUFFIX`) that
+    killed saves of the same target left behind. A save holds a lock on its
+    temporary file until it ends, so a file that can be locked belongs to no live
+    save (`_open_temp` checks that its file was not deleted before it locked it)."""
     if fcntl is None:  # pragma: no cover - Windows
         return
-    pattern = re.compile(
-        re.escape(f".{base}.") + r"[0-9a-f]{12}" + re.escape(_TMP_SUFFIX)
-    )
+    pattern = re.compile(re.escape(stem) + r"[0-9a-f]{12}" + re.escape(_TMP_SUFFIX))
     try:
         names = os.listdir(folder)
     except OSError:
@@ -499,12 +535,13 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
     `save` refuses, with a [`eqx_state.CheckpointError`][] naming the leaf, anything
     [`eqx_state.load`][] could not restore exactly: string, object or record arrays,
     NumPy's extended-precision `longdouble`, tracers (a call inside `jit`), Python
-    ints beyond 64 bits, arrays sharded over several processes (use Orbax for
+    ints beyond 64 bits (-2**63 to 2**64 - 1 are saved), arrays sharded over several processes (use Orbax for
     those); and a ref-mode model that holds one ref at two places (it would load
     back as two states; declare sharing with `eqx.nn.Shared`). A model consumed by
     a donating step raises [`eqx_state.StaleModelError`][]. A target that is not a
     writable file (a missing folder, `None`, a file object opened for reading)
-    raises `CheckpointError` naming it, before any array is read.
+    raises `CheckpointError` naming it, before any array is read; so does a path
+    that is not a regular file (a device, a FIFO), which a save would replace.
 
     Writing to a path is atomic: the bytes go to a temporary file next to the target
     (`.NAME.XXXXXXXXXXXX.eqxs-tmp`), which then replaces it, so a crash mid-save never
@@ -681,14 +718,15 @@ def _read_one(f: Any, name: str) -> tuple[bytearray, bytes]:
     `np.load` and `eqx.tree_deserialise_leaves` read a stream item by item): the
     prefix gives the header's length, the header the payload's. Where the prefix or
     header is not valid, the rest of the stream is read so that `_parse` reports it
-    as it does for a file. A seekable stream must continue with nothing or with
-    another checkpoint: other bytes after one are reported as corruption (by
-    `_check_tail`, after the checksum). Returns the checkpoint's bytes and the
-    (up to 8) bytes that follow it in a seekable stream."""
+    as it does for a file; bytes that do not start with the magic are not a
+    checkpoint, and nothing after them is read (a large file of another format, or
+    an endless stream, is refused at once). A seekable stream must continue with
+    nothing or with another checkpoint: other bytes after one are reported as
+    corruption (by `_check_tail`, after the checksum). Returns the checkpoint's bytes
+    and the (up to `_FIXED`) bytes that follow it in a seekable stream."""
     buf = bytearray()
     if _read_stream(f, name, buf, _FIXED) < _FIXED or not buf.startswith(_MAGIC):
-        _read_stream(f, name, buf, None)
-        return buf, b""
+        return buf, b""  # not a checkpoint (`_parse`): the rest is not read
     version, header_len = _PREFIX.unpack_from(buf, len(_MAGIC))
     if version != _VERSION:
         _read_stream(f, name, buf, None)
@@ -703,13 +741,20 @@ def _read_one(f: Any, name: str) -> tuple[bytearray, bytes]:
     seekable = getattr(f, "seekable", None)
     if callable(seekable) and seekable():
         after = f.tell()
-        _read_stream(f, name, tail, len(_MAGIC))
+        _read_stream(f, name, tail, _FIXED)
         f.seek(after)
     return buf, bytes(tail)
 
 
 def _check_tail(name: str, tail: bytes) -> None:
-    if tail and not _MAGIC.startswith(tail):
+    """What follows a checkpoint in a seekable stream must be nothing or the start
+    of another one: the magic and this format's version (the rest of it is checked
+    when it is loaded). A truncated start is corruption too."""
+    if tail and not (
+        len(tail) == _FIXED
+        and tail.startswith(_MAGIC)
+        and _PREFIX.unpack_from(tail, len(_MAGIC))[0] == _VERSION
+    ):
         raise CheckpointError(
             f"{name} is corrupt: the checkpoint is followed by "
             f"{'bytes that start' if len(tail) > 1 else 'a byte that starts'} no "
@@ -803,7 +848,9 @@ def _validate_entry(i: int, raw: Any) -> str | None:
     if kind == "python":
         pytype = raw["python_type"]
         spec = _PYTHON_TYPES.get(pytype) if isinstance(pytype, str) else None
-        if spec is None or spec[1] != raw["dtype"]:
+        if spec is None or raw["dtype"] not in (
+            (spec[1], "uint64") if pytype == "int" else (spec[1],)  # ints >= 2**63
+        ):
             return f"{label} has an invalid 'python_type' for dtype {raw['dtype']!r}"
     return None
 
@@ -960,6 +1007,20 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
         # without x64: the NumPy leaf is restored with its saved 64-bit dtype.
         same_dtype = (
             same_dtype or jax.dtypes.canonicalize_dtype(entry.dtype) == want_dtype
+        )
+    if (
+        entry.kind == "jax"
+        and not same_dtype
+        and not jax.config.read("jax_enable_x64")
+        and entry.dtype.itemsize == 8 * (2 if entry.dtype.kind == "c" else 1)
+        and jax.dtypes.canonicalize_dtype(entry.dtype) == want_dtype
+    ):
+        raise CheckpointError(
+            f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "
+            f"saved with 64-bit types on; without them the model holds "
+            f"{np.dtype(want_dtype).name}. Turn them on before building the model and "
+            "`like` (`jax.config.update('jax_enable_x64', True)`); cast the loaded "
+            "tree afterwards if you want 32 bits."
         )
     if entry.shape != want_shape or not same_dtype:
         raise CheckpointError(

@@ -199,6 +199,21 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
 # ------------------------------------------------------------------ loading
 
 
+# PyTorch dtypes that NumPy lacks, as the ml_dtypes types JAX uses.
+_NO_NUMPY_DTYPE = {
+    name: np.dtype(getattr(jnp, name))
+    for name in (
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(jnp, name)
+}
+
+
 def _incoming(value: Any, name: str) -> Any:
     """A state-dict value as a NumPy or JAX array (no copy yet)."""
     if isinstance(value, jax.Array):
@@ -207,12 +222,27 @@ def _incoming(value: Any, name: str) -> Any:
         return np.asarray(value)
     mod = type(value).__module__ or ""
     if mod.startswith("torch") and hasattr(value, "detach"):
-        t = value.detach().cpu()
-        if str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: bit-cast
-            import torch
+        if getattr(value, "is_meta", False):
+            raise StateValueError(
+                f"state_dict[{name!r}] is a tensor on PyTorch's meta device: it has "
+                "no values. Materialise the PyTorch model first (`to_empty`, then "
+                "load or initialise its weights)."
+            )
+        t = value.detach().cpu().resolve_conj().resolve_neg()
+        narrow = _NO_NUMPY_DTYPE.get(str(t.dtype).removeprefix("torch."))
+        try:
+            if narrow is not None:  # NumPy has no such dtype: bit-cast (ml_dtypes)
+                import torch
 
-            return t.view(torch.int16).numpy().view(jnp.bfloat16)
-        return t.numpy()
+                bits = torch.int8 if np.dtype(narrow).itemsize == 1 else torch.int16
+                return t.view(bits).numpy().view(narrow)
+            return t.numpy()
+        except (TypeError, RuntimeError) as e:  # a dtype or layout NumPy cannot hold
+            raise StateTypeError(
+                f"state_dict[{name!r}] is a torch.Tensor of dtype {t.dtype} and "
+                f"layout {t.layout}, which cannot be read as an array ({e}). Convert "
+                "it in PyTorch first (`.to(torch.float32)`, `.to_dense()`)."
+            ) from e
     raise StateTypeError(
         f"state_dict[{name!r}] is a {type(value).__name__}; expected an array "
         "(a torch.Tensor, a NumPy array or a JAX array)."

@@ -865,3 +865,167 @@ def test_pickle_payload_is_never_executed(tmp_path):
     with pytest.raises(es.CheckpointError):
         es.load(path, like=Net())
     assert not os.path.exists(MARKER)
+
+
+# Found by an outside review (2026-12-02): the cases below each failed before.
+
+
+def test_saves_racing_on_one_path_all_land(tmp_path, monkeypatch):
+    """A save's stale-temporary cleanup may lock and delete another save's
+    temporary file between its creation and its lock. Replayed deterministically:
+    another save's cleanup runs just before each save takes its lock. Every save
+    must land, and the file must hold the last tree saved (as `torch.save`)."""
+    from eqx_state import _checkpoint
+
+    real = _checkpoint.fcntl
+    path = tmp_path / "c.eqxs"
+
+    class Racing:
+        LOCK_EX, LOCK_NB = real.LOCK_EX, real.LOCK_NB
+        raced = 0
+        locks = 0
+
+        @staticmethod
+        def flock(fd, op):
+            Racing.locks += op == real.LOCK_EX
+            if op == real.LOCK_EX and Racing.locks % 2:  # before every other lock
+                Racing.raced += 1
+                _checkpoint._remove_stale_temps(
+                    str(tmp_path), _checkpoint._temp_stem(path.name)
+                )
+            return real.flock(fd, op)
+
+    monkeypatch.setattr(_checkpoint, "fcntl", Racing)
+    for seed in range(3):
+        es.save(path, Net(seed))
+        assert_tree_exact(es.load(path, like=Net()), Net(seed))
+    assert Racing.raced >= 3
+    assert os.listdir(tmp_path) == ["c.eqxs"]  # no temporary file is left
+
+
+def test_saves_from_threads_on_one_path_all_land(tmp_path):
+    import threading
+
+    path = tmp_path / "c.eqxs"
+    trees = [{"a": np.full(4, float(i), np.float32)} for i in range(3)]
+    errors = []
+
+    def save_many(tree):
+        try:
+            for _ in range(40):
+                es.save(path, tree)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save_many, args=(t,)) for t in trees]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:1]
+    got = es.load(path, like=trees[0])["a"]
+    assert any(np.array_equal(got, t["a"]) for t in trees)
+    assert os.listdir(tmp_path) == ["c.eqxs"]
+
+
+def test_a_target_that_is_not_a_regular_file_is_refused_and_kept(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(es.CheckpointError, match="not a regular file.*file object"):
+        es.save(fifo, Net())
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # not replaced by a regular file
+    link = tmp_path / "link"
+    os.symlink(fifo, link)  # a symlink is written through, to its target
+    with pytest.raises(es.CheckpointError, match="not a regular file"):
+        es.save(link, Net())
+    assert os.path.islink(link) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("length", [200, 240, 255])
+def test_the_longest_file_names_the_system_allows_save(tmp_path, length):
+    path = tmp_path / ("é" + "b" * (length - 2))  # 'é' is 2 bytes in UTF-8
+    assert len(os.fsencode(path.name)) == length
+    with open(path, "wb"):  # the file system takes the name
+        pass
+    es.save(path, Net(1))
+    assert_tree_exact(es.load(path, like=Net()), Net(1))
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_stream_of_another_format_is_refused_after_its_first_bytes():
+    """A `.pt` (a zip) or an endless stream is refused from its first bytes, as
+    `np.load` refuses it, not read to its end first."""
+
+    class Endless(io.RawIOBase):
+        read_bytes = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            b[:] = b"PK\x03\x04".ljust(len(b), b"\0")[: len(b)]
+            Endless.read_bytes += len(b)
+            return len(b)
+
+    with pytest.raises(es.CheckpointError, match="not an eqx_state checkpoint"):
+        es.load(Endless(), like=Net())
+    assert Endless.read_bytes <= 64
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b"E", b"EQXSTATE", b"EQXSTATE-garbage-garbage", b"EQXSTATE" + bytes(12)],
+    ids=["a-magic-byte", "the-magic-alone", "the-magic-then-garbage", "version-0"],
+)
+def test_bytes_after_a_checkpoint_that_start_no_valid_one_are_corruption(
+    tmp_path, tail
+):
+    single = io.BytesIO()
+    es.save(single, Net())
+    path = tmp_path / "c.eqxs"
+    path.write_bytes(single.getvalue() + tail)
+    with pytest.raises(es.CheckpointError, match="followed by (a byte|bytes) that"):
+        es.load(path, like=Net())
+
+
+@pytest.mark.parametrize("value", [-(2**63), 2**63 - 1, 2**63, 2**64 - 1])
+def test_every_64_bit_python_int_round_trips_exactly(value):
+    buf = io.BytesIO()
+    es.save(buf, {"seed": value})
+    buf.seek(0)
+    got = es.load(buf, like={"seed": 0})["seed"]
+    assert type(got) is int and got == value
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 2**70])
+def test_a_python_int_beyond_64_bits_is_refused_by_every_persistence_path(
+    tmp_path, value
+):
+    tree = {"w": jnp.ones(2), "seed": value}
+    with pytest.raises(es.CheckpointError, match=r"\['seed'\].*does not fit in 64"):
+        es.save(io.BytesIO(), tree)
+    with pytest.raises(es.CheckpointError, match=r"\['seed'\].*does not fit in 64"):
+        es.to_orbax(tree)
+    with pytest.raises(Exception) as info:  # Equinox raises TreePathError from ours
+        eqx.tree_serialise_leaves(
+            tmp_path / "f.eqx", tree, filter_spec=es.serialise_filter_spec
+        )
+    cause = info.value
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    assert isinstance(cause, es.CheckpointError)
+    assert "does not fit in 64" in str(cause)
+
+
+def test_a_float64_checkpoint_loaded_without_x64_names_the_switch(tmp_path):
+    path = tmp_path / "x64.eqxs"
+    with jax.enable_x64(True):
+        es.save(path, {"w": jnp.ones((2, 2), jnp.float64)})
+    assert not jax.config.jax_enable_x64
+    with pytest.raises(
+        es.CheckpointError, match=r"saved with 64-bit types on.*jax_enable_x64"
+    ):
+        es.load(path, like={"w": jnp.ones((2, 2))})
+    with jax.enable_x64(True):  # the fix it names works
+        got = es.load(path, like={"w": jnp.ones((2, 2), jnp.float64)})
+        assert got["w"].dtype == np.float64

@@ -732,3 +732,38 @@ def test_a_bfloat16_torch_batch_norm_loads_exactly():
     back.load_state_dict({k: to_torch(v) for k, v in sd.items()})
     for k, v in back.state_dict().items():
         assert torch.equal(v, t.state_dict()[k].to(v.dtype)), k
+
+
+class _OneTensor(eqx.Module):
+    w: jax.Array
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
+)
+def test_tensors_of_dtypes_numpy_lacks_load_bit_for_bit(dtype):
+    t = torch.linspace(-3, 3, 7).to(getattr(torch, dtype))
+    got = es.load_state_dict(_OneTensor(jnp.zeros(7, dtype)), {"w": t}).w
+    assert got.dtype == jnp.dtype(dtype)
+    bits = torch.int8 if t.element_size() == 1 else torch.int16
+    assert np.array_equal(
+        np.asarray(got).view(np.int8 if t.element_size() == 1 else np.int16),
+        t.view(bits).numpy(),
+    )
+
+
+def test_a_conjugated_tensor_loads_its_values():
+    t = (torch.arange(3) * (1 + 2j)).to(torch.complex64).conj()
+    assert t.is_conj()
+    got = es.load_state_dict(_OneTensor(jnp.zeros(3, jnp.complex64)), {"w": t}).w
+    assert np.array_equal(np.asarray(got), t.resolve_conj().numpy())
+
+
+def test_tensors_without_readable_values_name_the_key():
+    like = _OneTensor(jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"state_dict\[.w.\].*meta device") as info:
+        es.load_state_dict(like, {"w": torch.empty(3, device="meta")})
+    assert isinstance(info.value, es.EqxStateError)
+    sparse = torch.zeros(3).to_sparse()
+    with pytest.raises(es.EqxStateError, match=r"state_dict\['w'\]"):
+        es.load_state_dict(like, {"w": sparse})
