@@ -243,6 +243,30 @@ def describe(buf: Buffer) -> str:
     return f"{type(buf).__name__} cell{where} (shape {shape})"
 
 
+def check_cell_dtype(
+    owner: str, layer: Any, buf: Buffer, kind: type, min_bits: int = 0
+) -> None:
+    """Refuse a layer's cell whose dtype the layer cannot keep its state in: not of
+    `kind` (`jnp.floating`, `jnp.integer`) or narrower than `min_bits`. A layer
+    casts its updates into its cells' dtypes, so a cell replaced by one of another
+    dtype (`eqx.tree_at`, a hand-edited checkpoint) would silently truncate them (an
+    int32 running mean stays 0, an int8 count wraps at 127). Decided from dtypes
+    while tracing: nothing is staged."""
+    dtype = jnp.dtype(buf.dtype)
+    info = jnp.finfo if kind is jnp.floating else jnp.iinfo
+    if jnp.issubdtype(dtype, kind) and info(dtype).bits >= min_bits:
+        return
+    name = "a real floating" if kind is jnp.floating else "an integer"
+    raise StateTypeError(
+        f"{owner}{layer_path(layer)}: its {describe(buf)} holds {dtype}, but it keeps "
+        f"this state in {name} dtype"
+        + (f" of at least {min_bits} bits" if min_bits else "")
+        + ": its updates would be truncated or wrap around. The cell was replaced "
+        "after the layer was built (`eqx.tree_at`, a checkpoint of another dtype); "
+        "rebuild the layer, or put back a cell of the dtype the layer made."
+    )
+
+
 def layer_path(layer: Any) -> str:
     """How errors name a layer that holds cells: inside a step or an apply, ` at
     `path`` (its path in the model, found from one of its cells'); elsewhere ''."""

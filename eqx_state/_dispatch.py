@@ -137,7 +137,13 @@ class _Signature:
     leaf kinds split into what the jitted function takes."""
 
     def __init__(
-        self, carry_td: Any, arg_td: Any, kinds: list[int], carry_leaves: list, donate
+        self,
+        carry_td: Any,
+        arg_td: Any,
+        kinds: list[int],
+        carry_leaves: list,
+        donate,
+        traced: bool = False,
     ):
         n_carry = carry_td.num_leaves
         # a concrete ref outside the carry is passed as a ref: only the carry's
@@ -169,8 +175,12 @@ class _Signature:
         self.get_refs = _getter(self.ref_idx)
         self.get_static = _getter(self.static_idx)
         # one bool per carry leaf: which positions the function replaces; a ref's
-        # array is always replaced (and donated, as JAX donates a ref's array)
-        may_donate = donate(carry)
+        # array is always replaced (and donated, as JAX donates a ref's array).
+        # Under an outer transformation (`traced`) no array is donated: an outer
+        # `jit` ignores donation, and under an eager `grad` or `linearize` the
+        # transformation keeps inputs of the call (residuals) that a donation would
+        # delete.
+        may_donate = donate(carry) if not traced else [False] * n_carry
         refbufs = set(self.refbuf_idx)
         self.donatable = tuple(
             i < n_carry and (may_donate[i] or i in refbufs) for i in self.dyn_idx
@@ -483,7 +493,7 @@ class Compiled:
             sig = self._signatures.get(key)
             if sig is None:
                 sig = self._signatures[key] = _Signature(
-                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy
+                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy, True
                 )
         return sig
 

@@ -66,7 +66,9 @@ def stale_message(what: str) -> str:
         "call whose compiled program fails at run time (an `eqx.error_if` check, a "
         "NaN check) has also consumed what it was given. Use the model the call "
         "returned, or build the step with `make_step(..., donate=False)` / "
-        "`make_apply(..., donate=False)` to keep old models valid."
+        "`make_apply(..., donate=False)` to keep old models valid. An owned loop "
+        "(`loop = step.own(model, opt_state)`) takes its model and state over: get "
+        "them back with `model, opt_state = loop.release()`."
     )
 
 

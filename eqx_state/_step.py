@@ -543,8 +543,9 @@ def make_step(
         value-mode state), as hand-written JAX does with `donate_argnums`. The model
         and optimizer state passed in are then consumed — also when the compiled
         program fails at run time (an `eqx.error_if` check): keep a checkpoint, or
-        pass `donate=False` to keep them valid (e.g. to differentiate through a
-        step, or while debugging).
+        pass `donate=False` to keep them valid (e.g. while debugging). A step
+        called under an outer transformation (`jax.jit`, `jax.grad`, `vmap`: to
+        differentiate through a step) donates nothing: JAX keeps its inputs.
     - `mesh`: a `jax.sharding.Mesh` for data parallelism: every array argument is
         sharded over `data_axis` on its leading (batch) axis, the model is laid out
         by `layout` (replicated by default), the optimizer state like its
@@ -680,7 +681,8 @@ def make_apply(
 
     - `fn`: `fn(model, *args, **kwargs)`, any function of the model.
     - `donate`: donate the state cells the call replaces; the model passed in is then
-        consumed (its parameters stay valid). `donate=False` keeps it valid.
+        consumed (its parameters stay valid). `donate=False` keeps it valid. Under
+        an outer transformation nothing is donated (see [`eqx_state.make_step`][]).
     - `scan_unroll`: `lax.scan`'s `unroll` for [`Apply.scan`][eqx_state._step.Apply.scan] (see
         [`eqx_state.make_step`][]).
     - `**jit_kwargs`: passed to `jax.jit`.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat, _LayerBase, layer_path
+from .._buffer import BatchStat, _LayerBase, check_cell_dtype, layer_path
 from .._errors import StateTypeError, StateValueError, check_int, check_real
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
@@ -221,6 +221,14 @@ class BatchNorm(_LayerBase):
             raise StateTypeError(
                 f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
+            )
+        if self.running_mean is not None:  # the statistics stay float32 or wider
+            assert self.running_var is not None
+            assert self.num_batches_tracked is not None
+            for cell in (self.running_mean, self.running_var):
+                check_cell_dtype("BatchNorm", self, cell, jnp.floating, 32)
+            check_cell_dtype(
+                "BatchNorm", self, self.num_batches_tracked, jnp.integer, 32
             )
         # One example [C] (a per-example call, e.g. under `jax.vmap`): said before
         # the channel axis is checked, which a 1-d input has only as axis 0.

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Num
 
-from .._buffer import BatchStat, _LayerBase
+from .._buffer import BatchStat, _LayerBase, check_cell_dtype
 from .._errors import StateTypeError, StateValueError, check_real, is_whole
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
@@ -186,6 +186,9 @@ class RunningNorm(_LayerBase):
             f"`RunningNorm({(*self.shape, 2)})` on `jnp.stack([x.real, x.imag], "
             "axis=-1)`.",
         )
+        for cell in (self.mean, self.var):
+            check_cell_dtype("RunningNorm", self, cell, jnp.floating)
+        check_cell_dtype("RunningNorm", self, self.count, jnp.integer, 32)
         nb = self._batch_ndim(x)
         sdtype = self.mean.dtype
         if jnp.issubdtype(x.dtype, jnp.floating) and (

@@ -258,6 +258,49 @@ def test_grad_through_one_step_matches_finite_differences():
     assert int(model0.steps.value) == 0
 
 
+@pytest.mark.parametrize("runner", ["step", "scan", "own"])
+def test_grad_through_a_donating_step_equals_a_hand_written_optax_loop(runner):
+    """Under `jax.grad` (eager, no outer `jit`) a step donates nothing: JAX keeps
+    inputs of the call for the backward pass, which a donation would delete (found by
+    an outside review: `RuntimeError: Array has been deleted`)."""
+    lin0 = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 8, 4))
+    y = jnp.ones((2, 8))
+    opt = optax.sgd(0.1, momentum=0.9)
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x).sum(-1) - y) ** 2)
+
+    def by_hand(a):
+        m, o = lin0, opt.init(lin0)
+        for t in range(2):
+            g = jax.grad(loss)(m, a * x[t], y[t])
+            u, o = opt.update(g, o, m)
+            m = eqx.apply_updates(m, u)
+        return loss(m, x[0], y[0])
+
+    step = es.make_step(loss, opt)  # donates by default
+
+    def with_step(a):
+        m, o = lin0, step.init(lin0)
+        if runner == "step":
+            for t in range(2):
+                m, o = step(m, o, a * x[t], y[t])
+        elif runner == "scan":
+            m, o = step.scan(m, o, a * x, y)
+        else:
+            loop = step.own(m, o)
+            for t in range(2):
+                loop(a * x[t], y[t])
+            m, o = loop.release()
+        return loss(m, x[0], y[0])
+
+    want = jax.grad(by_hand)(1.0)
+    np.testing.assert_allclose(jax.grad(with_step)(1.0), want, rtol=1e-5)
+    np.testing.assert_allclose(jax.grad(with_step)(1.0), want, rtol=1e-5)  # again
+    assert not lin0.weight.is_deleted()  # the closed-over model stays usable
+
+
 def test_has_aux():
     xs, ys = data(1)
     step = es.make_step(

@@ -556,6 +556,22 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
         first_call(runner, step, model, opt_state, xs, ys)
 
 
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_model_an_owned_loop_took_over_names_release(runner):
+    """The stale-model error of a model handed to `step.own` names the way back,
+    `loop.release()` (the loop's calls return the loss, not the model)."""
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    xs, ys = data()
+    loop = step.own(model, opt_state)
+    loop(xs[0], ys[0])
+    with pytest.raises(es.StaleModelError, match=r"loop\.release\(\)"):
+        first_call(runner, step, model, opt_state, xs, ys)
+    model, opt_state = loop.release()
+    first_call(runner, step, model, opt_state, xs, ys)  # what it gives back runs
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", ["apply", "make_apply", "make_apply.scan"])
 def test_a_stale_model_is_refused_by_every_forward_runner_before_it_writes(

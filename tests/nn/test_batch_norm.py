@@ -864,3 +864,34 @@ def test_eps_zero_is_refused_with_batch_statistics_as_in_torch():
     want = torch.nn.BatchNorm1d(3, eps=0.0).eval()(torch.ones(4, 3))
     got = eqx.nn.inference_mode(es.nn.BatchNorm(3, eps=0.0))(x)
     np.testing.assert_array_equal(np.asarray(got), want.detach().numpy())
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize(
+    "cell, dtype",
+    [
+        ("running_mean", jnp.int32),
+        ("running_var", jnp.bfloat16),
+        ("running_mean", jnp.float16),
+        ("num_batches_tracked", jnp.int8),
+        ("num_batches_tracked", jnp.float32),
+    ],
+)
+def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(mode, cell, dtype):
+    """A layer casts its updates into its cells' dtypes: a cell replaced by one of
+    a dtype that truncates them (found by an outside review: an int32 running mean
+    stayed 0) is refused by name, as PyTorch refuses an integer running mean."""
+    torch_bn = torch.nn.BatchNorm1d(3)
+    torch_bn.running_mean = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        torch_bn(torch.randn(4, 3))
+    bn = es.nn.BatchNorm(3)
+    bn = eqx.tree_at(
+        lambda b: getattr(b, cell).value, bn, getattr(bn, cell).value.astype(dtype)
+    )
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    x = jnp.ones((4, 3))
+    with pytest.raises(TypeError, match=rf"BatchNorm.*{cell}.*holds") as info:
+        es.apply(lambda m, x: m(x), bn, x)
+    assert isinstance(info.value, es.EqxStateError)

@@ -532,3 +532,15 @@ def test_unbound_axis_name_is_a_clear_error():
     norm = es.nn.RunningNorm(2, axis_name="env")
     with pytest.raises(NameError, match=r"RunningNorm\(axis_name='env'\).*no axis"):
         es.apply(lambda m, x: m(x), norm, jnp.ones((3, 2)))
+
+
+@pytest.mark.parametrize(
+    "cell, dtype", [("mean", jnp.int32), ("count", jnp.int8), ("count", jnp.float32)]
+)
+def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(cell, dtype):
+    norm = es.nn.RunningNorm(3)
+    norm = eqx.tree_at(
+        lambda n: getattr(n, cell).value, norm, getattr(norm, cell).value.astype(dtype)
+    )
+    with pytest.raises(TypeError, match=rf"RunningNorm.*{cell}.*holds"):
+        es.apply(lambda m, x: m(x), norm, jnp.ones((4, 3)))
