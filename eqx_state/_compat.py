@@ -37,6 +37,15 @@ def is_batched(x: Any) -> bool:
     return _BatchTracer is not None and isinstance(x, _BatchTracer)
 
 
+def is_unmapped_ref_write(e: BaseException) -> bool:
+    """Whether `e` is JAX's refusal of a write into a ref that an enclosing `vmap`
+    does not map, where it reaches the caller from a transformation's batching rule
+    (a write inside `jax.checkpoint` or `lax.scan` under `vmap`) rather than from
+    the write itself. JAX raises a bare `Exception` for it; only its text tells it
+    from others."""
+    return type(e) is Exception and "unbatched array reference" in str(e)
+
+
 # -- the trace state --------------------------------------------------------------
 
 try:

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._buffer import _is_param, _is_ref, is_state, named_cells
-from ._errors import StateValueError, StepError
+from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_message
+from ._compat import is_unmapped_ref_write
+from ._errors import StateValueError, StateWriteError, StepError
 from ._modes import (
     argument_name,
     check_tree_live,
@@ -133,10 +134,15 @@ def refuse_cells_out(out: Any, thawed: Any, what: str) -> None:
 
 @contextlib.contextmanager
 def _cond_note() -> Iterator[None]:
-    """JAX refuses a `lax.cond` (or `switch`) whose branch writes state in two
-    cases, with a bare `NotImplementedError`: under `vmap` with a batched predicate,
-    and under differentiation inside a loop (`scan`, `fori_loop`); add the fix to
-    it (it is kept as it is, so nothing is hidden)."""
+    """Around the user's code in a step or an apply: JAX's bare refusals of state
+    writes, with the fix. JAX refuses a `lax.cond` (or `switch`) whose branch
+    writes state in two cases, with a bare `NotImplementedError`: under `vmap` with
+    a batched predicate, and under differentiation inside a loop (`scan`,
+    `fori_loop`); the fix is added to it (it is kept as it is, so nothing is
+    hidden). A write into a cell that a `vmap` does not map is refused at the write
+    (`_buffer._write`), except inside a `jax.checkpoint` or `lax.scan` under the
+    `vmap`: their batching rule meets it afterwards, with a bare `Exception`, which
+    becomes the write's own error."""
     try:
         yield
     except NotImplementedError as e:
@@ -151,6 +157,10 @@ def _cond_note() -> Iterator[None]:
             "(e.g. `y = layer(x)` before it, then `jnp.where(pred, y, x)`), or "
             "outside the loop."
         )
+        raise
+    except Exception as e:
+        if is_unmapped_ref_write(e):
+            raise StateWriteError(unbatched_message("state cell", e)) from e
         raise
 
 

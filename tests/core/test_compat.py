@@ -57,6 +57,31 @@ def test_is_batched_sees_vmapped_values_only():
     assert _compat._BatchTracer is not None, "BatchTracer moved: update _compat.py"
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint", "scan"])
+def test_is_unmapped_ref_write_recognises_jaxs_refusal(wrap):
+    """JAX refuses a vmapped write into an unmapped ref with a bare `Exception`;
+    inside `jax.checkpoint` or `lax.scan` it comes from their batching rule, so
+    only its text names it. If JAX changes the text, this fails: update
+    `_compat.is_unmapped_ref_write`."""
+    ref = jax.new_ref(jnp.zeros(()))
+
+    def write(x):
+        ref[...] = x
+        return x
+
+    if wrap == "checkpoint":
+        body = jax.checkpoint(write)
+    else:
+
+        def body(x):
+            return jax.lax.scan(lambda c, z: (c, write(z)), 0, x[None])[1][0]
+
+    with pytest.raises(Exception) as info:
+        jax.vmap(body)(jnp.ones(3))
+    assert _compat.is_unmapped_ref_write(info.value), repr(info.value)
+    assert not _compat.is_unmapped_ref_write(Exception("another error"))
+
+
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

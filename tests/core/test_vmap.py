@@ -251,6 +251,7 @@ def test_nested_record_dead_fraction_with_a_tuple_axis_equals_numpy():
     np.testing.assert_allclose(got["mean"], xn.mean(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_es_vmap_of_es_vmap_of_a_model_names_the_fix():
     bn = es.nn.BatchNorm(4, channel_axis=0, axis_name=("o", "i"))
     x = jax.random.normal(jax.random.key(1), (2, 4, 4))
@@ -278,3 +279,36 @@ def test_only_a_vmap_refusal_is_relabelled_and_argument_cells_are_named():
     update = es.make_apply(lambda m, metric, x: metric.update(x))
     with pytest.raises(es.StateWriteError, match=r"one of `args\[0\]\.total`"):
         jax.vmap(lambda x: update(eqx.nn.Identity(), metric, x))(jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("runner", ["apply", "step"])
+@pytest.mark.parametrize("wrap", ["checkpoint", "filter_checkpoint", "scan"])
+def test_a_write_under_vmap_inside_remat_or_scan_gets_the_writes_own_error(
+    runner, wrap
+):
+    """Without `jax.checkpoint` a vmapped write into an unmapped cell is refused
+    at the write, naming `es.vmap`; inside a checkpoint or a scan under the vmap,
+    JAX's batching rule meets it later with a bare `Exception` (found by an outside
+    review): the same error, whatever the wrapping."""
+
+    def per(b, z):
+        if wrap == "checkpoint":
+            return jax.checkpoint(lambda zz: b(zz))(z)
+        if wrap == "filter_checkpoint":
+            return eqx.filter_checkpoint(lambda bb, zz: bb(zz))(b, z)
+        return jax.lax.scan(lambda c, zz: (c, b(zz)), 0, z[None])[1][0]
+
+    def forward(m, x):
+        return jax.vmap(lambda z: per(m, z))(x)
+
+    bn, x = es.nn.BatchNorm(3), jnp.ones((8, 2, 3))
+    with pytest.raises(
+        es.StateWriteError, match=r"(?s)inside `jax.vmap`.*eqx_state\.vmap"
+    ):
+        if runner == "apply":
+            es.apply(forward, bn, x)
+        else:
+            step = es.make_step(
+                lambda m, x: jnp.mean(forward(m, x) ** 2), optax.sgd(0.1)
+            )
+            step(bn, step.init(bn), x)
