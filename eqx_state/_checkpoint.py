@@ -13,6 +13,7 @@ previous one's, so offsets are implied and cannot disagree with the data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -446,13 +447,26 @@ def _open_temp(path: str, folder: str, stem: str) -> tuple[str, int]:
             ) from e
         if fcntl is None:  # pragma: no cover - Windows
             return tmp, fd
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held while writing: never cleaned then
-        # Another save's `_remove_stale_temps` may have locked and deleted the file
-        # between `os.open` and `flock`: then start again with a new one.
         try:
-            same = os.path.samestat(os.stat(tmp), os.fstat(fd))
-        except FileNotFoundError:
-            same = False
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while writing: never cleaned then
+            # Another save's `_remove_stale_temps` may have locked and deleted the
+            # file between `os.open` and `flock`: then start again with a new one.
+            try:
+                same = os.path.samestat(os.stat(tmp), os.fstat(fd))
+            except FileNotFoundError:
+                same = False
+        except BaseException as e:  # no locks on this file system, an interrupt
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise CheckpointError(
+                    f"Cannot save to {path!r}: its temporary file in {folder!r} "
+                    f"cannot be locked ({e.strerror or e}). Save to a local file "
+                    "system, or to a file object (`with open(path, 'wb') as f: "
+                    "es.save(f, tree)`)."
+                ) from e
+            raise
         if same:
             return tmp, fd
         os.close(fd)
@@ -748,13 +762,20 @@ def _read_one(f: Any, name: str) -> tuple[bytearray, bytes]:
 
 def _check_tail(name: str, tail: bytes) -> None:
     """What follows a checkpoint in a seekable stream must be nothing or the start
-    of another one: the magic and this format's version (the rest of it is checked
-    when it is loaded). A truncated start is corruption too."""
-    if tail and not (
-        len(tail) == _FIXED
-        and tail.startswith(_MAGIC)
-        and _PREFIX.unpack_from(tail, len(_MAGIC))[0] == _VERSION
-    ):
+    of another checkpoint: the magic bytes (or their beginning, when the stream
+    ends inside them) and a plausible format version. Whatever follows that start
+    is checked when the next checkpoint is loaded, so an intact checkpoint followed
+    by a torn append (a writer killed mid-save) still loads, and the torn one is
+    reported when it is read."""
+    n = len(_MAGIC)
+    if len(tail) < n:
+        starts = _MAGIC.startswith(tail)
+    elif len(tail) < n + 4:  # the version field is cut
+        starts = tail.startswith(_MAGIC)
+    else:
+        version = int.from_bytes(tail[n : n + 4], "little")
+        starts = tail.startswith(_MAGIC) and 1 <= version < 2**16
+    if not starts:
         raise CheckpointError(
             f"{name} is corrupt: the checkpoint is followed by "
             f"{'bytes that start' if len(tail) > 1 else 'a byte that starts'} no "

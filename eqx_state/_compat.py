@@ -63,6 +63,30 @@ def under_trace() -> bool:
     return _trace_ctx is not None and not _trace_ctx.is_top_level()
 
 
+try:
+    from jax._src.core import EvalTrace as _EvalTrace
+    from jax._src.interpreters.batching import BatchTrace as _BatchTrace
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _EvalTrace = _BatchTrace = None
+
+
+def only_vmapped() -> bool:
+    """Whether the transformations tracing the caller are `vmap`s only, over an
+    eager evaluation (`jax.vmap`, `eqx.filter_vmap` called eagerly): the inputs of
+    a compiled call there are not kept by the transformation, so the call may
+    donate them. Under `jax.grad` / `linearize` the transformation keeps inputs
+    for the backward pass (a donation would delete them); under `jit` donation is
+    ignored. JAX tells this by its chain of current traces (`parent_trace`)."""
+    if (
+        _trace_ctx is None or _BatchTrace is None or _EvalTrace is None
+    ):  # pragma: no cover
+        return False
+    trace = getattr(_trace_ctx, "trace", None)
+    while isinstance(trace, _BatchTrace):
+        trace = getattr(trace, "parent_trace", None)
+    return isinstance(trace, _EvalTrace)
+
+
 # -- consumed refs -----------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from ._compat import (
     is_batched,
     is_concrete_ref,
     is_deleted_array_error,
+    only_vmapped,
     ref_buffer,
     set_ref_buffer,
     under_trace,
@@ -176,10 +177,10 @@ class _Signature:
         self.get_static = _getter(self.static_idx)
         # one bool per carry leaf: which positions the function replaces; a ref's
         # array is always replaced (and donated, as JAX donates a ref's array).
-        # Under an outer transformation (`traced`) no array is donated: an outer
-        # `jit` ignores donation, and under an eager `grad` or `linearize` the
-        # transformation keeps inputs of the call (residuals) that a donation would
-        # delete.
+        # Under an outer transformation other than `vmap` (`traced`) no array is
+        # donated: an outer `jit` ignores donation, and an eager `grad` or
+        # `linearize` keeps inputs of the call (residuals) that a donation would
+        # delete (`_compat.only_vmapped`).
         may_donate = donate(carry) if not traced else [False] * n_carry
         refbufs = set(self.refbuf_idx)
         self.donatable = tuple(
@@ -489,11 +490,12 @@ class Compiled:
             # the trace reads and writes it. Reading its array instead would put
             # the value it held at trace time into the program as a constant.
             kinds = [_REF if k == _REFBUF else k for k in map(_kind, leaves)]
-            key = (carry_td, arg_td, tuple(kinds))
+            traced = not only_vmapped()
+            key = (carry_td, arg_td, tuple(kinds), traced)
             sig = self._signatures.get(key)
             if sig is None:
                 sig = self._signatures[key] = _Signature(
-                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy, True
+                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy, traced
                 )
         return sig
 

@@ -222,14 +222,6 @@ class BatchNorm(_LayerBase):
                 f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
             )
-        if self.running_mean is not None:  # the statistics stay float32 or wider
-            assert self.running_var is not None
-            assert self.num_batches_tracked is not None
-            for cell in (self.running_mean, self.running_var):
-                check_cell_dtype("BatchNorm", self, cell, jnp.floating, 32)
-            check_cell_dtype(
-                "BatchNorm", self, self.num_batches_tracked, jnp.integer, 32
-            )
         # One example [C] (a per-example call, e.g. under `jax.vmap`): said before
         # the channel axis is checked, which a 1-d input has only as axis 0.
         if (
@@ -426,6 +418,11 @@ class BatchNorm(_LayerBase):
     def _update(self, mean: Array, var: Array, n: Array | int) -> None:
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
+        # the statistics are updated in float32 or wider, the count in 32 bits or
+        # more (reading narrower statistics, in inference, is fine)
+        for cell in (self.running_mean, self.running_var):
+            check_cell_dtype("BatchNorm", self, cell, jnp.floating, 32)
+        check_cell_dtype("BatchNorm", self, self.num_batches_tracked, jnp.integer, 32)
         count = self.num_batches_tracked[...] + 1
         self.num_batches_tracked[...] = count
         dt = mean.dtype

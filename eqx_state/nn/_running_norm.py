@@ -186,9 +186,8 @@ class RunningNorm(_LayerBase):
             f"`RunningNorm({(*self.shape, 2)})` on `jnp.stack([x.real, x.imag], "
             "axis=-1)`.",
         )
-        for cell in (self.mean, self.var):
+        for cell in (self.mean, self.var):  # moments of any floating dtype
             check_cell_dtype("RunningNorm", self, cell, jnp.floating)
-        check_cell_dtype("RunningNorm", self, self.count, jnp.integer, 32)
         nb = self._batch_ndim(x)
         sdtype = self.mean.dtype
         if jnp.issubdtype(x.dtype, jnp.floating) and (
@@ -212,6 +211,7 @@ class RunningNorm(_LayerBase):
         return y.astype(out_dtype)
 
     def _update(self, xc: Array, nb: int, n: int) -> None:
+        check_cell_dtype("RunningNorm", self, self.count, jnp.integer, 32)
         axes = tuple(range(nb))
         expand = (1,) * nb + self.shape
         if self.axis_name is None:

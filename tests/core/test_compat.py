@@ -82,6 +82,36 @@ def test_is_unmapped_ref_write_recognises_jaxs_refusal(wrap):
     assert not _compat.is_unmapped_ref_write(Exception("another error"))
 
 
+def test_only_vmapped_tells_vmap_from_differentiation_and_jit():
+    seen = {}
+
+    def probe(name):
+        def f(x):
+            seen[name] = _compat.only_vmapped()
+            return x
+
+        return f
+
+    probe("eager")(1.0)
+    jax.vmap(probe("vmap"))(jnp.ones(2))
+    jax.vmap(jax.vmap(probe("vmap of vmap")))(jnp.ones((2, 2)))
+    jax.grad(probe("grad"))(1.0)
+    jax.linearize(probe("linearize"), 1.0)
+    jax.vmap(jax.grad(probe("vmap of grad")))(jnp.ones(2))
+    jax.grad(lambda x: jax.vmap(probe("grad of vmap"))(x).sum())(jnp.ones(2))
+    jax.jit(probe("jit"))(1.0)
+    assert seen == {
+        "eager": True,
+        "vmap": True,
+        "vmap of vmap": True,
+        "grad": False,
+        "linearize": False,
+        "vmap of grad": False,
+        "grad of vmap": False,
+        "jit": False,
+    }, "JAX's traces changed: update _compat.only_vmapped"
+
+
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

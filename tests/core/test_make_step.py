@@ -301,6 +301,23 @@ def test_grad_through_a_donating_step_equals_a_hand_written_optax_loop(runner):
     assert not lin0.weight.is_deleted()  # the closed-over model stays usable
 
 
+def test_an_ensemble_step_vmapped_eagerly_still_donates():
+    """Only differentiation keeps a call's inputs: under an eager `vmap` (an
+    ensemble, `eqx.filter_vmap` of the step) the step donates what it replaces."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    models = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 3, key=k))(keys)
+    step = es.make_step(
+        lambda m, x, y: jnp.mean((jax.vmap(m)(x).sum(-1) - y) ** 2), optax.adam(1e-2)
+    )
+    opt_states = eqx.filter_vmap(step.init)(models)
+    weight = models.weight
+    in_axes = (eqx.if_array(0), eqx.if_array(0), None, None)
+    eqx.filter_vmap(step, in_axes=in_axes)(
+        models, opt_states, jnp.ones((8, 4)), jnp.ones(8)
+    )
+    assert weight.is_deleted()
+
+
 def test_has_aux():
     xs, ys = data(1)
     step = es.make_step(

@@ -974,10 +974,10 @@ def test_a_stream_of_another_format_is_refused_after_its_first_bytes():
 
 @pytest.mark.parametrize(
     "tail",
-    [b"E", b"EQXSTATE", b"EQXSTATE-garbage-garbage", b"EQXSTATE" + bytes(12)],
-    ids=["a-magic-byte", "the-magic-alone", "the-magic-then-garbage", "version-0"],
+    [b"EQXSTATE-garbage-garbage", b"EQXSTATE" + bytes(12), b"\0", b"PK\x03\x04"],
+    ids=["the-magic-then-garbage", "version-0", "a-zero-byte", "a-zip"],
 )
-def test_bytes_after_a_checkpoint_that_start_no_valid_one_are_corruption(
+def test_bytes_after_a_checkpoint_that_start_no_checkpoint_are_corruption(
     tmp_path, tail
 ):
     single = io.BytesIO()
@@ -986,6 +986,44 @@ def test_bytes_after_a_checkpoint_that_start_no_valid_one_are_corruption(
     path.write_bytes(single.getvalue() + tail)
     with pytest.raises(es.CheckpointError, match="followed by (a byte|bytes) that"):
         es.load(path, like=Net())
+
+
+def test_a_checkpoint_followed_by_a_torn_append_loads_and_the_torn_one_is_refused():
+    """A writer killed while appending a second checkpoint to a stream leaves the
+    first intact: it loads whatever length of the second was written (as
+    `np.load` reads one item), and loading the second reports it."""
+    single = io.BytesIO()
+    es.save(single, Net(1))
+    blob = single.getvalue()
+    for n in (1, 7, 8, 10, 12, 19, 20, 40, len(blob) - 1):
+        stream = io.BytesIO(blob + blob[:n])
+        assert_tree_exact(es.load(stream, like=Net()), Net(1))
+        with pytest.raises(es.CheckpointError):
+            es.load(stream, like=Net())
+
+
+def test_a_file_system_without_locks_fails_the_save_cleanly(tmp_path, monkeypatch):
+    from eqx_state import _checkpoint
+
+    real = _checkpoint.fcntl
+
+    class NoLocks:
+        LOCK_EX, LOCK_NB = real.LOCK_EX, real.LOCK_NB
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(37, "No locks available")
+
+    path = tmp_path / "c.eqxs"
+    es.save(path, Net(1))
+    monkeypatch.setattr(_checkpoint, "fcntl", NoLocks)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(es.CheckpointError, match="cannot be locked.*file object"):
+        es.save(path, Net(2))
+    assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open
+    assert os.listdir(tmp_path) == ["c.eqxs"]  # no temporary file left
+    monkeypatch.undo()
+    assert_tree_exact(es.load(path, like=Net()), Net(1))  # the old one is intact
 
 
 @pytest.mark.parametrize("value", [-(2**63), 2**63 - 1, 2**63, 2**64 - 1])

@@ -52,6 +52,7 @@ def test_state_dict_names_match_torchvision(port):
     )
 
 
+@pytest.mark.slow
 def test_port_matches_torch_float32(port, capsys, one_torch_thread):
     assert port.main(TINY + ["--strict-float32"]) == 0
     out = capsys.readouterr().out

@@ -637,11 +637,13 @@ def _check_pair(name, tlayer, elayer, run_e, run_t):
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.split
 def test_layer_matches_torch(name):
     _check_pair(name, *LAYERS[name])
 
 
 @pytest.mark.parametrize("name", list(CONVS))
+@pytest.mark.split
 def test_conv_layer_matches_torch(name):
     tlayer, elayer, nd = CONVS[name]()
     x = np.random.default_rng(1).normal(size=(2, 4) + (5,) * nd).astype(np.float32)

@@ -746,6 +746,7 @@ def test_bfloat16_model_keeps_float32_statistics_that_do_not_stall():
 @pytest.mark.parametrize("track", [True, False])
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1), (1, 3, 2)])
+@pytest.mark.split
 def test_one_value_per_channel_is_refused_exactly_where_torch_refuses(
     mode, track, train, shape
 ):
@@ -895,3 +896,24 @@ def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(mode, cell, dtype
     with pytest.raises(TypeError, match=rf"BatchNorm.*{cell}.*holds") as info:
         es.apply(lambda m, x: m(x), bn, x)
     assert isinstance(info.value, es.EqxStateError)
+    # inference reads the statistics, which any float dtype holds (as torch's eval)
+    if (
+        jnp.issubdtype(getattr(bn, cell).dtype, jnp.floating)
+        and cell != "num_batches_tracked"
+    ):
+        out = eqx.nn.inference_mode(bn)(x)
+        assert out.shape == x.shape
+
+
+def test_a_model_cast_wholesale_to_bfloat16_still_runs_in_inference():
+    """Casting every array of a trained model to bfloat16 for deployment (its
+    statistics too) keeps working in inference mode, where nothing is updated."""
+    bn = es.nn.BatchNorm(3)
+    half = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, bn
+    )
+    x = jax.random.normal(jax.random.key(0), (4, 3), jnp.bfloat16)
+    want = eqx.nn.inference_mode(bn)(x.astype(jnp.float32))  # statistics 0 and 1
+    got = eqx.nn.inference_mode(half)(x)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=1e-2, atol=1e-2)

@@ -45,6 +45,7 @@ def _data_and_splits(draw):
 
 @settings(max_examples=10, deadline=None)
 @given(_data_and_splits())
+@pytest.mark.slow
 def test_any_split_equals_numpy_over_everything(case):
     """Chan's parallel update: after any sequence of batches (empty ones included),
     mean/var equal numpy's over the concatenation."""
