@@ -82,54 +82,65 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
-    _split_storage_modes(items)
+    _split_cases(items)
     items.sort(key=rank)  # stable: the order within a file is kept
 
 
 _MODES = ("value", "ref")  # the `mode` parameter of a storage-mode parametrisation
 
 
-def _split_storage_modes(items) -> None:
-    """A test marked `split_modes` and parametrised over the storage mode checks
-    each case in one of the two modes by default; the other mode runs with the slow
-    cases (`pytest -m slow`, also in CI), so that together they cover every case.
+def _split_cases(items) -> None:
+    """Which cases of a parametrised test run by default; the others run with the
+    slow cases (`pytest -m slow`, also in CI), so that together they cover every
+    case. Split are:
+
+    * every test parametrised over the storage mode (`mode` in `_MODES`), unless
+      marked `both_modes`: each case runs in one of the two modes by default. The
+      two modes run the same compiled program (ref mode passes its refs' arrays
+      through value mode's), so the second mode mostly repeats the first; the
+      tests whose subject is the difference mark `both_modes` or compare the two
+      modes inside one case;
+    * a test marked `split`: a cross product of cases (layers x transformations,
+      dtypes, optimizers) that a sample checks by default; `split(every=4)` runs a
+      quarter of them (the transform matrix: an eighth).
 
     The split is a chessboard: a case runs by default when the index of its mode
     plus the index of the value of each other parameter (among that parameter's
-    values in the test), plus the test's ordinal among the marked tests of its
-    file, is even. So every value of every parameter meets both modes by default.
-    It is for tests whose subject does not depend on the mode (the same compiled
-    program runs either way) and that are large: the transform matrix and metric
-    arithmetic. Applied to every mode-parametrised test it left the default run's
-    time within the noise of two runs (9:31 for 1446 cases, 8:48 for the 1663
-    without it: the second mode mostly reuses the first's compiled programs from
-    the run's compilation cache), so the others run both modes.
-    `tests/multidevice` has its own split (`tests/distributed/test_multidevice.py`).
-    A marked test whose `mode` is not one of `_MODES` is a collection error.
+    values in the test), plus the test's ordinal among the split tests of its file,
+    is a multiple of `every` (2 unless the marker says otherwise). So by default every value of every parameter meets both modes (and,
+    with two or more parameters, every value of each parameter runs), and a file's
+    mode-only tests alternate between the modes. `tests/multidevice` has its own
+    split (`tests/distributed/test_multidevice.py`).
     """
     tests: dict = {}
     for item in items:
         spec = getattr(item, "callspec", None)
-        if spec is None or "mode" not in spec.params:
-            continue  # not parametrised over the mode (a file's other tests)
-        if not item.get_closest_marker("split_modes"):
+        if spec is None:
             continue
-        assert spec.params["mode"] in _MODES, f"{item.nodeid}: not a storage mode"
+        by_mode = spec.params.get("mode") in _MODES
+        if item.get_closest_marker("split") is None and (
+            not by_mode or item.get_closest_marker("both_modes") is not None
+        ):
+            continue
         fn = (item.path, item.originalname)
         tests.setdefault(item.path, {}).setdefault(fn, []).append(item)
     for functions in tests.values():
         for ordinal, cases in enumerate(functions.values()):
             seen: dict[str, list] = {}
+            marker = cases[0].get_closest_marker("split")
+            every = 2 if marker is None else marker.kwargs.get("every", 2)
             for item in cases:
-                index = ordinal + _MODES.index(item.callspec.params["mode"])
+                index = ordinal
                 for param, value in item.callspec.params.items():
-                    if param != "mode":
-                        values = seen.setdefault(param, [])
-                        key = repr(value)
-                        if key not in values:
-                            values.append(key)
-                        index += values.index(key)
-                if index % 2:
+                    if param == "mode" and value in _MODES:
+                        index += _MODES.index(value)
+                        continue
+                    values = seen.setdefault(param, [])
+                    key = repr(value)
+                    if key not in values:
+                        values.append(key)
+                    index += values.index(key)
+                if index % every:
                     item.add_marker(pytest.mark.slow)
 
 

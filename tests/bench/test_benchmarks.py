@@ -136,6 +136,7 @@ def _wrong_variants(so):
 @pytest.mark.parametrize(
     "wrong", ["wrong_convention", "wrong_convention_nnx", "wrong_lr", "frozen_stats"]
 )
+@pytest.mark.split
 def test_gate_rejects_a_wrong_variant(so, monkeypatch, wrong):
     """The correctness gate is not vacuous: a variant with the wrong running-variance
     convention, a wrong learning rate, or no statistics update is rejected before

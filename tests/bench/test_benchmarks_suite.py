@@ -309,6 +309,7 @@ def _torch_step(size, params, x, y, lr):
 
 
 @pytest.mark.parametrize("size_name", ["tiny_cnn", "cnn", "residual"])
+@pytest.mark.split
 def test_reference_matches_torch(so, size_name, fast_compiles):
     """The hand-written reference of the CNN sizes and of the residual blocks (the
     many-cells model), one training step against PyTorch."""

@@ -22,6 +22,7 @@ TINY = lm.SIZES["tiny"]
 FAST = ["es_step", "es_scan", "torch_eager"]
 
 
+@pytest.mark.slow
 def test_every_fast_variant_passes_the_gate(fast_compiles):
     torch.set_num_threads(1)
     runners, info, failed = lm.build_and_check(TINY, FAST)
@@ -71,6 +72,7 @@ class _DoubleLr(lm.EsStep):
         )
 
 
+@pytest.mark.slow
 def test_gate_rejects_a_wrong_variant(fast_compiles, monkeypatch):
     """No weight decay (eqx_state's step otherwise right), or twice the learning
     rate: each is rejected, named, and not timed."""

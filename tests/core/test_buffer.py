@@ -141,6 +141,7 @@ _INDICES = [
 
 @pytest.mark.parametrize("where", ["ref mode", "es.apply", "make_apply"])
 @pytest.mark.parametrize("idx", _INDICES, ids=repr)
+@pytest.mark.split
 def test_indexed_reads_and_writes_follow_numpy(idx, where):
     start = np.arange(12.0, dtype=np.float32).reshape(3, 4)
     want = start.copy()

@@ -135,6 +135,7 @@ def _id(s):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which,names", SELECTIONS, ids=_id)
+@pytest.mark.split
 def test_reset_selects_exactly_the_chosen_cells(mode, which, names):
     model = _written()
     before = _numpy_state(model)

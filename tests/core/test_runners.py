@@ -336,6 +336,7 @@ def test_a_python_value_the_optimizer_advances_reaches_every_call(runner):
 @pytest.mark.parametrize("as_array", [False, True], ids=["float", "array"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.split(every=4)
 def test_a_learning_rate_set_in_place_before_each_step_takes_effect_on_every_runner(
     runner, mode, as_array
 ):

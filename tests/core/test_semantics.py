@@ -184,6 +184,7 @@ def test_tree_at_replacement_and_dict_mutation_take_effect(mode):
     ids=["cocob", "prodigy", "mechanize"],
 )
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.split
 def test_optimizers_that_keep_the_initial_params_in_their_state(make_opt, mode):
     """Their `init` stores `params` itself: the same arrays sit in the model and in
     the optimizer state, and each position must get its own output."""

@@ -158,6 +158,7 @@ def test_return_loss_is_the_loss_before_the_update():
         "apply_every",
     ],
 )
+@pytest.mark.split
 def test_step_count_reads_optax_counters(make_opt, calls, want):
     xs, ys = data(n=calls)
     model = Net(jax.random.key(0))
@@ -365,6 +366,7 @@ def test_a_wrong_option_type_is_refused_as_a_user_runs_it():
     ],
     ids=["adam", "chain", "MultiSteps"],
 )
+@pytest.mark.split
 def test_step_count_of_a_consumed_state_raises_stale(make_opt):
     """`es.step_count(old_opt_state)` after a donating step used to return a
     deleted array (adam: `int(...)` then raised JAX's "Array has been deleted") or

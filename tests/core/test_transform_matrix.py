@@ -42,10 +42,10 @@ def _params():
     return out
 
 
-# The default run checks each (layer, transformation) pair in one of the two modes,
-# alternating like a chessboard (every layer and every transformation meets both
-# modes), and the slow run the other: tests/conftest.py, `_split_storage_modes`.
-@pytest.mark.split_modes
+# The default run checks an eighth of the (layer, transformation, mode) cases,
+# chosen like a chessboard (every layer and every transformation meets both modes),
+# and the slow run the rest: tests/conftest.py, `_split_cases`.
+@pytest.mark.split(every=8)
 @pytest.mark.parametrize("case, column, mode", _params())
 def test_cell(case, column, mode):
     M.run_cell(case, column, mode)

@@ -131,6 +131,7 @@ def test_train_digits_tiny(tmp_path, capsys):
     assert "test accuracy with EMA weights" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ensemble_vmap_tiny(capsys):
     example = load("ensemble_vmap")
     result = example.main(["--members", "3", "--steps", "5", "--batch-size", "16"])

@@ -23,6 +23,7 @@ def _example():
 
 
 @pytest.mark.parametrize("steps", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_decode_example_prints_tokens_and_matches_uncached(capsys, steps):
     """`--steps 1` generates one token (the prefill's argmax) and still compares
     the prompt's logits; the batch rows decode what each prompt decodes alone."""

@@ -18,10 +18,9 @@ from eqx_state.metrics import _histogram
 
 
 # The same arithmetic in both modes: each case runs in one of them by default and in
-# the other with the slow cases (`split_modes`: tests/conftest.py); ref
+# the other with the slow cases (tests/conftest.py, `_split_cases`); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
 MODES = ["value", "ref"]
-pytestmark = pytest.mark.split_modes
 N = 96  # values per draw (padded with NaN, in no count): one shape per dtype
 SETTINGS = settings(
     max_examples=10,
@@ -123,6 +122,7 @@ def test_float32_values_bin_as_numpy(mode, config):
 @pytest.mark.parametrize("mode", MODES)
 @SETTINGS
 @given(config=configurations(np.float64))
+@pytest.mark.slow
 def test_float64_values_bin_as_numpy(mode, config):
     x, bins, rng, w = config
     with jax.enable_x64(True):
@@ -152,6 +152,7 @@ def test_numpys_index_correction_branch_bins_as_numpy(mode, config):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_the_red_team_cases(mode):
     # 0.5 and 1.1 lie on edges of Histogram(7, range=(-1.3, 2.9)) (edges -1.3 + 0.6k)
     for dtype in (np.float32, np.float64):

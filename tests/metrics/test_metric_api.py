@@ -221,6 +221,7 @@ def reference(name, data):
 
 
 @pytest.mark.parametrize("name,factory,make", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.split
 def test_user_metrics_reduce_under_vmap(name, factory, make):
     data = make(np.random.default_rng(5))
     want = reference(name, data)

@@ -180,6 +180,7 @@ def test_accuracy_matches_sklearn(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("average", ["micro", "macro", "weighted", None])
+@pytest.mark.split(every=4)
 def test_precision_recall_f1_match_sklearn(mode, average):
     rng = np.random.default_rng(7)
     logits, labels, w = class_data(rng)
@@ -749,6 +750,7 @@ CASES = reduction_cases(np.random.default_rng(23))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.split
 def test_reduce_under_vmap_equals_one_pass(case):
     _, factory, (args, kwargs), want = case
 

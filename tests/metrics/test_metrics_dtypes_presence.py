@@ -22,10 +22,9 @@ from eqx_state import metrics as esm
 
 
 # The same arithmetic in both modes: each case runs in one of them by default and in
-# the other with the slow cases (`split_modes`: tests/conftest.py); ref
+# the other with the slow cases (tests/conftest.py, `_split_cases`); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
 MODES = ["value", "ref"]
-pytestmark = pytest.mark.split_modes
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):

@@ -15,10 +15,9 @@ from eqx_state import metrics as esm
 
 
 # The same arithmetic in both modes: each case runs in one of them by default and in
-# the other with the slow cases (`split_modes`: tests/conftest.py); ref
+# the other with the slow cases (tests/conftest.py, `_split_cases`); ref
 # mode's writes under every transformation: tests/core/test_transform_matrix.py.
 MODES = ["value", "ref"]
-pytestmark = pytest.mark.split_modes
 
 
 @eqx.filter_jit
@@ -88,6 +87,7 @@ def check(metrics, refs, mode, p, y):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ignore", [-1, 0])
+@pytest.mark.split(every=4)
 def test_ignore_index_binary(mode, ignore):
     rng = np.random.default_rng(10)
     p = rng.random(24).astype(np.float32)
@@ -106,6 +106,7 @@ def test_ignore_index_binary(mode, ignore):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ignore", [-1, 0, 255])
+@pytest.mark.split(every=4)
 def test_ignore_index_multiclass(mode, ignore):
     rng = np.random.default_rng(11)
     c = 4
@@ -135,6 +136,7 @@ def test_ignore_index_multiclass(mode, ignore):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("ignore", [-1, 0])
+@pytest.mark.split(every=4)
 def test_ignore_index_multilabel(mode, ignore):
     rng = np.random.default_rng(12)
     n, labels = 20, 3

@@ -191,6 +191,7 @@ def jnp_args(args, kwargs):
 @pytest.mark.parametrize("case", list(CASES))
 @SETTINGS
 @given(data=st.data())
+@pytest.mark.split
 def test_batches_merged_in_any_grouping_equal_one_pass(case, data):
     factory, args, kwargs, keep, masks, reference = draw_problem(data, case)
     jargs, jkwargs = jnp_args(args, kwargs)
@@ -207,6 +208,7 @@ def test_batches_merged_in_any_grouping_equal_one_pass(case, data):
 @pytest.mark.parametrize("case", list(CASES))
 @SETTINGS
 @given(data=st.data())
+@pytest.mark.split(every=4)
 def test_batch_by_batch_in_place_equals_one_pass(case, data):
     factory, args, kwargs, keep, masks, reference = draw_problem(data, case)
     jargs, jkwargs = jnp_args(args, kwargs)

@@ -262,6 +262,7 @@ def test_grad_does_not_flow_into_or_through_state(getkey):
         np.testing.assert_allclose(got, 0.5 * h + 0.5 * p, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_vmap_over_ensemble_equals_solo_runs(getkey):
     keys = jax.random.split(getkey(), 3)
     make = lambda k: Model(k, decay=0.75, zero_debias=True)  # noqa: E731

@@ -565,6 +565,7 @@ def _decode_one_by_one(m, x):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reset", list(_resetters()))
 @pytest.mark.parametrize("poison", ["overflow", "nan_sequence"])
+@pytest.mark.split(every=4)
 def test_reset_after_poisoning_equals_uncached(mode, reset, poison):
     """After an overflow with on_overflow="nan" (NaN written into the last slots) or
     a sequence containing NaN, a reset cache decodes the next sequence exactly as
@@ -675,6 +676,7 @@ def _decode_batch_with_logits(m, prompts, lengths, steps):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_batch_of_prompts_of_different_lengths_equals_each_alone(mode):
     """Each row of a batch decoded together (one cursor per row, padding written
     and then dropped by truncate) equals the uncached forward on that row's own
@@ -746,6 +748,7 @@ def test_vmap_over_caches_built_without_batch_size_names_the_fix(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_caches_of_a_batched_model_need_batch_size(mode):
     """A batched model (parameters stacked by `eqx.filter_vmap`) given one-sequence
     caches used to fail under `jax.vmap` with JAX's bare "rank should be at least

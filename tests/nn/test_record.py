@@ -311,6 +311,7 @@ def test_histogram_bins_of_a_wrong_type_is_a_type_error_as_in_numpy():
 # ---------------------------------------------------------------- per example
 
 
+@pytest.mark.slow
 def test_es_vmap_per_example_equals_the_whole_batch():
     x = jax.random.normal(jax.random.key(0), (8, 5)) - 0.3
     whole = es.to_refs(_record())
@@ -777,6 +778,7 @@ def test_custom_metric_and_tuple_results():
     assert not isinstance(r.metrics["m"].total, es.MetricState)
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(tmp_path):
     model = es.to_refs(MLP((5, 8, 8, 1), batch=4, key=jax.random.key(0)))
     x = jax.random.normal(jax.random.key(1), (4, 5))
@@ -789,6 +791,7 @@ def test_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(got[k], want[k])
 
 
+@pytest.mark.slow
 def test_dead_fraction_ignores_empty_and_masked_out_batches():
     rec = es.to_refs(es.nn.Record("dead_fraction", "mean"))
     x = jnp.array([[1.0, -1.0, 0.0, 2.0]])

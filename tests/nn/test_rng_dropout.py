@@ -477,6 +477,7 @@ def test_save_load_resumes_the_stream(mode, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("p", [0.1, 0.3])
+@pytest.mark.split
 def test_kept_values_equal_torchs_in_every_float_dtype(dtype, p):
     """PyTorch keeps `x * (1 / (1 - p))` with the scale rounded to the input's dtype;
     in float16 the kept value of 1 at p = 0.3 was 1.4277 here against torch's
