@@ -257,11 +257,13 @@ def check_cell_dtype(
     if jnp.issubdtype(dtype, kind) and info(dtype).bits >= min_bits:
         return
     name = "a real floating" if kind is jnp.floating else "an integer"
+    field = next((k for k, v in vars(layer).items() if v is buf), "?")
     raise StateTypeError(
-        f"{owner}{layer_path(layer)}: its {describe(buf)} holds {dtype}, but it keeps "
+        f"{owner}{layer_path(layer)}: its `{field}`, a {describe(buf)}, holds {dtype}, "
+        "but it keeps "
         f"this state in {name} dtype"
         + (f" of at least {min_bits} bits" if min_bits else "")
-        + ": its updates would be truncated or wrap around. The cell was replaced "
+        + ": its values would be truncated or wrap around. The cell was replaced "
         "after the layer was built (`eqx.tree_at`, a checkpoint of another dtype); "
         "rebuild the layer, or put back a cell of the dtype the layer made."
     )

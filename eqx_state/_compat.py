@@ -87,6 +87,18 @@ def only_vmapped() -> bool:
     return isinstance(trace, _EvalTrace)
 
 
+def batched_identity(x: Any) -> Any:
+    """What `id(x)` is for aliasing, for a value `vmap` maps: the identity of the
+    array a batch tracer wraps (`.val`) with its batch axis (`.batch_dim`), so that
+    one array at two places of a vmapped call (tied weights) is seen as one, as it
+    is eagerly."""
+    key: Any = ()
+    while _BatchTracer is not None and isinstance(x, _BatchTracer):
+        key = (*key, getattr(x, "batch_dim", None))
+        x = x.val
+    return (id(x), key) if key else id(x)
+
+
 # -- consumed refs -----------------------------------------------------------------
 
 

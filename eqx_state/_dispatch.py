@@ -40,6 +40,7 @@ from ._buffer import _is_ref, is_consumed, is_state, unbatched_message
 from ._checkpoint import _is_python_scalar
 from ._compat import (
     Tracer,
+    batched_identity,
     equinox_runtime_error,
     is_batched,
     is_concrete_ref,
@@ -145,6 +146,7 @@ class _Signature:
         carry_leaves: list,
         donate,
         traced: bool = False,
+        vmapped: bool = False,
     ):
         n_carry = carry_td.num_leaves
         # a concrete ref outside the carry is passed as a ref: only the carry's
@@ -186,6 +188,10 @@ class _Signature:
         self.donatable = tuple(
             i < n_carry and (may_donate[i] or i in refbufs) for i in self.dyn_idx
         )
+        self.donates = any(self.donatable)
+        # an eagerly vmapped call (an ensemble) donates: tied arrays are found
+        # through the batch tracers (`_compat.batched_identity`)
+        self.vmapped = vmapped
         self.plans: dict[Any, _Plan] = {}
         self.numbers_seen: dict[int, list] = {}  # static numbers, for a warning
 
@@ -482,9 +488,11 @@ class Compiled:
                     carry_leaves,
                     self.donate_policy,
                 )
-        if sig is _AMBIGUOUS or (sig.refbuf_idx and under_trace()):
+        if sig is _AMBIGUOUS or ((sig.refbuf_idx or sig.donates) and under_trace()):
             # Under an outer transformation leaves are tracers, and a tracer may be
-            # an array or a ref: classify each one. A concrete ref closed over by
+            # an array or a ref: classify each one (and donate only under `vmap`s
+            # over an eager evaluation: `traced`, also when every leaf is concrete,
+            # closed over by a differentiated function). A concrete ref closed over by
             # the outer trace (also when no leaf is a tracer: a model and a batch
             # closed over by an outer `jax.jit` or a loop body) is passed as a ref:
             # the trace reads and writes it. Reading its array instead would put
@@ -495,7 +503,13 @@ class Compiled:
             sig = self._signatures.get(key)
             if sig is None:
                 sig = self._signatures[key] = _Signature(
-                    carry_td, arg_td, kinds, carry_leaves, self.donate_policy, traced
+                    carry_td,
+                    arg_td,
+                    kinds,
+                    carry_leaves,
+                    self.donate_policy,
+                    traced,
+                    vmapped=not traced,
                 )
         return sig
 
@@ -545,9 +559,10 @@ class Compiled:
         # Aliasing, for donation only (the same buffer cannot be donated twice):
         # results never depend on it.
         alias = None
-        if len(set(map(id, dyn))) != len(dyn):
-            first: dict[int, int] = {}
-            alias = tuple(first.setdefault(id(x), k) for k, x in enumerate(dyn))
+        ident = batched_identity if sig.vmapped else id
+        if len(set(map(ident, dyn))) != len(dyn):
+            first: dict[Any, int] = {}
+            alias = tuple(first.setdefault(ident(x), k) for k, x in enumerate(dyn))
         pkey = (
             (statics, alias)
             if self.mesh is None

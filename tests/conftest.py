@@ -107,10 +107,14 @@ def _split_cases(items) -> None:
     The split is a chessboard: a case runs by default when the index of its mode
     plus the index of the value of each other parameter (among that parameter's
     values in the test), plus the test's ordinal among the split tests of its file,
-    is a multiple of `every` (2 unless the marker says otherwise). So by default every value of every parameter meets both modes (and,
-    with two or more parameters, every value of each parameter runs), and a file's
-    mode-only tests alternate between the modes. `tests/multidevice` has its own
-    split (`tests/distributed/test_multidevice.py`).
+    is a multiple of `every` (2 unless the marker says otherwise). With `every=2`,
+    by default every value of every parameter meets both modes (and, with two or
+    more parameters, every value of each parameter runs), and a file's mode-only
+    tests alternate between the modes; with a larger `every` a sample of the values
+    runs by default (in the transform matrix, still every layer and every
+    transformation in both modes). A parametrisation that is not a cross product (a
+    diagonal) is not marked. `tests/multidevice` runs in a subprocess with every
+    case (`tests/distributed/test_multidevice.py` splits it by file).
     """
     tests: dict = {}
     for item in items:
@@ -128,7 +132,10 @@ def _split_cases(items) -> None:
         for ordinal, cases in enumerate(functions.values()):
             seen: dict[str, list] = {}
             marker = cases[0].get_closest_marker("split")
-            every = 2 if marker is None else marker.kwargs.get("every", 2)
+            every = 2
+            if marker is not None:
+                every = marker.kwargs.get("every", marker.args[0] if marker.args else 2)
+            assert isinstance(every, int) and every >= 2, f"{cases[0].nodeid}: split"
             for item in cases:
                 index = ordinal
                 for param, value in item.callspec.params.items():

@@ -405,6 +405,8 @@ class BatchNorm(_LayerBase):
 
     def _running_stats(self, cdtype) -> tuple[Array, Array]:
         assert self.running_mean is not None and self.running_var is not None
+        for cell in (self.running_mean, self.running_var):  # any float is read
+            check_cell_dtype("BatchNorm", self, cell, jnp.floating)
         mean = self.running_mean[...].astype(cdtype)
         var = self.running_var[...].astype(cdtype)
         if self.zero_debias:

@@ -318,6 +318,60 @@ def test_an_ensemble_step_vmapped_eagerly_still_donates():
     assert weight.is_deleted()
 
 
+def test_an_ensemble_with_tied_arrays_steps_under_eager_vmap_like_a_hand_loop():
+    """One array at two places of an ensemble (tied, as `Tied(w, w)`): under an
+    eager `vmap` the step donates it once (each place is a batch tracer of its own;
+    found by a review: 'Attempt to donate the same buffer twice')."""
+
+    class Tied(eqx.Module):
+        a: jax.Array
+        b: jax.Array
+
+        def __call__(self, x):
+            return x @ self.a + x @ self.b
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x).sum(-1) - y) ** 2)
+
+    opt = optax.sgd(0.1)
+    w = jax.random.normal(jax.random.key(0), (3, 4, 2))
+    x, y = jnp.ones((8, 4)), jnp.ones(8)
+
+    def by_hand(m):
+        g = jax.grad(loss)(m, x, y)
+        return eqx.apply_updates(m, opt.update(g, opt.init(m), m)[0])
+
+    want = jax.vmap(by_hand)(Tied(w, w))
+    step = es.make_step(loss, opt)
+    models = Tied(jnp.array(w), None)
+    models = Tied(models.a, models.a)  # tied: one array at two places
+    in_axes = (eqx.if_array(0), eqx.if_array(0), None, None)
+    got, _ = eqx.filter_vmap(step, in_axes=in_axes)(
+        models, eqx.filter_vmap(step.init)(models), x, y
+    )
+    np.testing.assert_allclose(got.a, want.a, rtol=1e-6)
+    np.testing.assert_allclose(got.b, want.b, rtol=1e-6)
+
+
+def test_a_step_on_a_concrete_model_inside_a_differentiated_function_donates_nothing():
+    """Under `jax.grad`, a step whose leaves are all concrete (the model closed
+    over, not differentiated) must not donate them either: the function still
+    holds them."""
+    lin0 = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    step = es.make_step(
+        lambda m, x, y: jnp.mean((jax.vmap(m)(x).sum(-1) - y) ** 2), optax.sgd(0.1)
+    )
+    x, y = jnp.ones((8, 4)), jnp.ones(8)
+
+    def f(a):
+        pre = jnp.sum(lin0.weight * a)
+        model, _ = step(lin0, step.init(lin0), x, y)
+        return pre + jnp.sum(model.weight)
+
+    np.testing.assert_allclose(jax.grad(f)(1.0), jnp.sum(lin0.weight), rtol=1e-6)
+    assert not lin0.weight.is_deleted()
+
+
 def test_has_aux():
     xs, ys = data(1)
     step = es.make_step(

@@ -71,7 +71,6 @@ TIE_LABELS = np.array([0, 1, 3, 2, 2, 3, 0, 2, 3])
 
 
 @pytest.mark.parametrize("mode,k", [("ref", 1), ("value", 2), ("ref", 3)])
-@pytest.mark.split
 def test_one_ranking_rule_for_every_classification_metric(mode, k):
     preds, hit = ref_predictions(TIES, TIE_LABELS, k)
     want_acc = hit.mean()

@@ -896,13 +896,17 @@ def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(mode, cell, dtype
     with pytest.raises(TypeError, match=rf"BatchNorm.*{cell}.*holds") as info:
         es.apply(lambda m, x: m(x), bn, x)
     assert isinstance(info.value, es.EqxStateError)
-    # inference reads the statistics, which any float dtype holds (as torch's eval)
-    if (
-        jnp.issubdtype(getattr(bn, cell).dtype, jnp.floating)
-        and cell != "num_batches_tracked"
-    ):
-        out = eqx.nn.inference_mode(bn)(x)
-        assert out.shape == x.shape
+    # inference reads the statistics, which any float dtype holds (as torch's eval),
+    # and no integer does (PyTorch refuses that in eval too)
+    if cell != "num_batches_tracked":
+        if jnp.issubdtype(dtype, jnp.floating):
+            assert eqx.nn.inference_mode(bn)(x).shape == x.shape
+        else:
+            torch_bn.eval()
+            with pytest.raises(RuntimeError):
+                torch_bn(torch.randn(4, 3))
+            with pytest.raises(TypeError, match=rf"BatchNorm.*{cell}.*holds int"):
+                eqx.nn.inference_mode(bn)(x)
 
 
 def test_a_model_cast_wholesale_to_bfloat16_still_runs_in_inference():
