@@ -5,7 +5,7 @@
     python tests/matrix_report.py --run    # run the matrix tests first
 
 The page is generated from the expectations declared in
-`tests/transform_matrix_cases.py`; `tests/test_transform_matrix.py` runs every cell
+`tests/transform_matrix_cases.py`; `tests/core/test_transform_matrix.py` runs every cell
 against them (and `tests/multidevice/test_matrix_sharded.py` the sharded column),
 and checks that the committed page equals what this script writes.
 """
@@ -29,14 +29,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.run:
         env = dict(os.environ)
-        tests = [str(HERE / "test_transform_matrix.py")]
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", *tests])
+        # every cell (`-m ""`: the default run checks a sample, tests/conftest.py)
+        tests = [str(HERE / "core" / "test_transform_matrix.py")]
+        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "", *tests])
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
         ).strip()
         sharded = [str(HERE / "multidevice" / "test_matrix_sharded.py")]
         code |= subprocess.call(
-            [sys.executable, "-m", "pytest", "-q", *sharded], env=env
+            [sys.executable, "-m", "pytest", "-q", "-m", "", "-n", "0", *sharded],
+            env=env,
         )
         if code:
             print("matrix tests failed: the page was not written", file=sys.stderr)
