@@ -436,7 +436,7 @@ def _temp_stem(base: str) -> str:
 def _open_temp(path: str, folder: str, stem: str) -> tuple[str, int]:
     """Create and lock a new temporary file for a save: its name and descriptor."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    while True:
+    for _ in range(100):  # another save's cleanup won the race: try a new name
         tmp = os.path.join(folder, f"{stem}{secrets.token_hex(6)}{_TMP_SUFFIX}")
         try:
             fd = os.open(tmp, flags, 0o666)  # the process umask applies, as for `open`
@@ -470,6 +470,13 @@ def _open_temp(path: str, folder: str, stem: str) -> tuple[str, int]:
         if same:
             return tmp, fd
         os.close(fd)
+    _remove_stale_temps(folder, stem)  # ours, unlocked now (a live save's are locked)
+    raise CheckpointError(
+        f"Cannot save to {path!r}: each temporary file made in {folder!r} was gone "
+        "by the time it was locked (100 tries): the file system does not keep a "
+        "file's identity, or other saves keep deleting it. Save to a file object "
+        "(`with open(path, 'wb') as f: es.save(f, tree)`)."
+    )
 
 
 def _write_path(path: str, target: str, parts: list[Any]) -> None:

@@ -1067,3 +1067,19 @@ def test_a_float64_checkpoint_loaded_without_x64_names_the_switch(tmp_path):
     with jax.enable_x64(True):  # the fix it names works
         got = es.load(path, like={"w": jnp.ones((2, 2), jnp.float64)})
         assert got["w"].dtype == np.float64
+
+
+def test_a_save_whose_temporary_files_keep_vanishing_gives_up_cleanly(
+    tmp_path, monkeypatch
+):
+    """If every temporary file is gone by the time it is locked (a file system
+    that does not keep identities), the save stops after a bounded number of tries
+    instead of looping, and leaves nothing behind."""
+    path = tmp_path / "c.eqxs"
+    es.save(path, Net(1))
+    monkeypatch.setattr(os.path, "samestat", lambda a, b: False)
+    with pytest.raises(es.CheckpointError, match="100 tries"):
+        es.save(path, Net(2))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["c.eqxs"]
+    assert_tree_exact(es.load(path, like=Net()), Net(1))
