@@ -87,6 +87,22 @@ def only_vmapped() -> bool:
     return isinstance(trace, _EvalTrace)
 
 
+def mapped_by_same_vmap(x: Any, like: Any) -> bool:
+    """Whether `x` is mapped by the `vmap` that most closely maps `like` (a batch
+    tracer): one of `x`'s batch tracers, at any depth, belongs to `like`'s trace.
+    Tells a value that varies over `es.vmap`'s examples from one that varies only
+    over an enclosing `vmap` (an ensemble). JAX keeps a tracer's trace in
+    `._trace`."""
+    if not is_batched(like):
+        return False
+    trace = getattr(like, "_trace", None)
+    while is_batched(x):
+        if getattr(x, "_trace", None) is trace:
+            return True
+        x = x.val
+    return False
+
+
 def batched_identity(x: Any) -> Any:
     """What `id(x)` is for aliasing, for a value `vmap` maps: the identity of the
     array a batch tracer wraps (`.val`) with its batch axis (`.batch_dim`), so that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
-from ._compat import is_batched
+from ._compat import is_batched, mapped_by_same_vmap
 from ._errors import StateError, StateValueError, StateWriteError, is_whole
 from ._modes import path_str
 
@@ -19,6 +20,21 @@ from ._modes import path_str
 def mapped_axes() -> tuple[Hashable | None, ...]:
     """The axis names of the `es.vmap` calls being traced (innermost last)."""
     return _MAPPED_AXES.get()
+
+
+# The batched shadows of the `es.vmap` calls being traced (see `vmap`): a cell
+# holding one of them is one state that the examples share, not per-example state.
+_SHADOWS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "eqx_state_vmap_shadows", default=()
+)
+
+
+def varies_per_example(cell: Any, value: Any) -> bool:
+    """Whether `value`, about to be merged into the ref `cell`, differs between the
+    examples of an `es.vmap` whose examples share `cell` (`cell` is one of its
+    batched shadows and `value` is mapped by that `vmap`). Reduced values (`psum`
+    over the axis) and values common to every example are not."""
+    return any(cell is s for s in _SHADOWS.get()) and mapped_by_same_vmap(value, cell)
 
 
 def _explicit_split(args: tuple, axes: tuple) -> Any:
@@ -65,8 +81,8 @@ def vmap(
     arguments whose `in_axes` is `None`. Every example must write the same value
     (reduce over `axis_name` first); otherwise the call fails at run time with an
     error rather than keeping one example's value. A metric updated per example
-    needs the same `axis_name` to sum the examples: without it, examples that
-    agree are counted once (a known defect, see the misuse page).
+    needs the same `axis_name` to sum the examples: without it, its update is
+    refused (`StateWriteError`) when it sees per-example values.
 
     **Arguments:**
 
@@ -177,7 +193,11 @@ def vmap(
             call_args = [
                 u if ax is None else a for u, a, ax in zip(unmapped, mapped_args, axes)
             ]
-            return f(*call_args)
+            token = _SHADOWS.set((*_SHADOWS.get(), *shadow_refs))
+            try:
+                return f(*call_args)
+            finally:
+                _SHADOWS.reset(token)
 
         token = _MAPPED_AXES.set((*_MAPPED_AXES.get(), axis_name))
         try:

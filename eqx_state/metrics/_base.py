@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MetricState, _LayerBase, is_state
+from .._buffer import MetricState, _LayerBase, describe, is_state
 from .._compat import Tracer
 from .._errors import (
     StateNotImplementedError,
@@ -26,6 +26,7 @@ from .._errors import (
     StateWriteError,
     check_int,
 )
+from .._vmap import mapped_axes, varies_per_example
 
 
 # Return annotations (aliases keep jaxtyping's shape strings out of signatures, which
@@ -550,6 +551,27 @@ def _unbound_axis_message(metric: str, axis: Hashable, what: str) -> str:
     )
 
 
+def _refuse_per_example(
+    name: str, cells: dict[str, Statistic], stats: dict[str, Array]
+) -> None:
+    """Refuse an update, by a metric without `axis_name`, with values that differ
+    between the examples of an `es.vmap` that shares the metric's cells: each
+    example would merge its own statistics into the one cell, which keeps one
+    (examples that agree would be counted once instead of summed)."""
+    for k, cell in cells.items():
+        if any(varies_per_example(cell.value, v) for v in stats.values()):
+            axis = (mapped_axes() or (None,))[-1]
+            raise StateWriteError(
+                f"{name}.update got per-example values inside `eqx_state.vmap` "
+                f"(the {describe(cell)}, statistic {k!r}), but the metric has no "
+                "`axis_name`, so the examples' statistics would not be summed: the "
+                "examples share one cell, which would keep one example's statistics. "
+                f"Build the metric with the es.vmap's axis name, `{name}(..., "
+                f"axis_name={axis!r})`, so that each update sums the examples, or "
+                "update it outside the `es.vmap`, on the whole batch."
+            )
+
+
 def _gather(x: Array, axis_name: Hashable) -> Array:
     """Every member's `x`, stacked in axis order: `[axis_size, *x.shape]`, the same
     on every member. A `psum` of each member's slot rather than `all_gather`, whose
@@ -797,6 +819,8 @@ class Metric(_LayerBase):
             stats[k] = v.astype(cell.dtype)
         if self.axis_name is not None:
             stats = self._reduce_over(stats, self.axis_name, "update")
+        else:
+            _refuse_per_example(name, cells, stats)
         current = {k: cell[...] for k, cell in cells.items()}
         for k in cells:
             extra = _varying_axes(stats[k]) - _varying_axes(current[k])

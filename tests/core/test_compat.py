@@ -112,6 +112,28 @@ def test_only_vmapped_tells_vmap_from_differentiation_and_jit():
     }, "JAX's traces changed: update _compat.only_vmapped"
 
 
+def test_mapped_by_same_vmap_tells_the_inner_vmap_from_an_outer_one():
+    seen = {}
+
+    def outer(w):
+        def inner(x):
+            seen["per example"] = _compat.mapped_by_same_vmap(x * w, x)
+            seen["per member only"] = _compat.mapped_by_same_vmap(w, x)
+            seen["reduced"] = _compat.mapped_by_same_vmap(jax.lax.psum(x, "i"), x)
+            seen["unbatched like"] = _compat.mapped_by_same_vmap(x, w + 0.0 * w)
+            return x
+
+        return jax.vmap(inner, axis_name="i")(jnp.ones(3))
+
+    jax.vmap(outer)(jnp.ones(2))
+    assert seen == {
+        "per example": True,
+        "per member only": False,
+        "reduced": False,
+        "unbatched like": False,
+    }, "JAX's batch tracers changed: update _compat.mapped_by_same_vmap"
+
+
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

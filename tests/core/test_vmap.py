@@ -160,26 +160,49 @@ def test_dropout_without_axis_name_under_es_vmap_is_refused():
         es.vmap(drop, axis_name="batch")(jnp.ones((6, 4)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a metric without `axis_name` updated per example inside "
-    "`es.vmap` keeps one example's statistics when the examples agree (`Sum` of "
-    "8 rows of ones reads 1 row); where they differ the call fails at run time. "
-    "A refusal by `is_batched` also refused ensembles (an outer `filter_vmap`), "
-    "per-example metrics mapped with `in_axes=0` and Record's internal metrics, "
-    "so it was withdrawn: telling the es.vmap axis from an outer one needs JAX's "
-    "trace identity",
-)
-def test_a_metric_without_axis_name_under_es_vmap_sums_or_is_refused():
-    """Reference: NumPy's sum over the whole batch."""
-    metric = es.to_refs(es.metrics.Sum())
-    values = np.ones((8, 3), np.float32)
+@pytest.mark.parametrize("values", ["agree", "differ"])
+@pytest.mark.parametrize("runner", ["ref", "apply", "jit"])
+def test_a_metric_without_axis_name_updated_per_example_under_es_vmap_is_refused(
+    values, runner
+):
+    """It kept one example's statistics when the examples agreed (a `Sum` of 8 rows
+    of ones read one row) and failed at run time when they differed. Reference:
+    NumPy's sum over the whole batch, which the named fix (`axis_name`) gives."""
+    rows = np.ones((8, 3), np.float32)
+    if values == "differ":
+        rows = np.arange(24, dtype=np.float32).reshape(8, 3)
     update = es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="b")
-    try:
-        update(metric, jnp.asarray(values))
-    except es.EqxStateError:
-        return  # refused: fine
-    assert float(metric.compute()) == values.sum()
+
+    def run(metric):
+        if runner == "ref":
+            update(metric, jnp.asarray(rows))
+            return metric
+        call = lambda m, x: es.apply(lambda m, x: update(m, x), m, x)[1]  # noqa: E731
+        return (eqx.filter_jit(call) if runner == "jit" else call)(
+            metric, jnp.asarray(rows)
+        )
+
+    prepare = es.to_refs if runner == "ref" else lambda m: m
+    metric = prepare(es.metrics.Sum())
+    with pytest.raises(
+        es.StateWriteError, match=r"Sum.update got per-example values.*axis_name='b'"
+    ):
+        run(metric)
+    assert float(metric.compute()) == 0.0  # nothing was written
+    fixed = run(prepare(es.metrics.Sum(axis_name="b")))
+    np.testing.assert_allclose(float(fixed.compute()), rows.sum(), rtol=1e-6)
+
+
+def test_a_record_without_axis_name_under_es_vmap_is_refused_and_with_it_equals_numpy():
+    """Record's statistics are metrics: the same rule holds (they undercounted)."""
+    x = jax.random.normal(jax.random.key(2), (6, 5))
+    step = lambda r, x: es.vmap(r, axis_name="b")(x)  # noqa: E731
+    with pytest.raises(es.StateWriteError, match=r"per-example values.*axis_name"):
+        es.apply(step, es.nn.Record("mean"), x)
+    _, rec = es.apply(step, es.nn.Record("mean", axis_name="b"), x)
+    np.testing.assert_allclose(
+        es.recorded(rec)["mean"], np.asarray(x, np.float64).mean(), rtol=1e-6
+    )
 
 
 def test_metrics_under_es_vmap_with_axis_name_or_per_member_equal_numpy():
