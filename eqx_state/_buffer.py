@@ -172,7 +172,10 @@ class Buffer(eqx.Module):
             check_live(v, describe(self))
         if idx is not Ellipsis:
             index_shape(self, idx)
-        return v[idx]
+        try:
+            return v[idx]
+        except jax.errors.UnexpectedTracerError as e:
+            raise StateError(leaked_message(describe(self))) from e
 
     def __setitem__(self, idx: Any, new: Any) -> None:
         _write(self, idx, new)
@@ -375,6 +378,8 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
             )
     try:
         cell[idx] = jax.lax.stop_gradient(new)
+    except jax.errors.UnexpectedTracerError as e:
+        raise StateError(leaked_message(describe(buf))) from e
     except Exception as e:
         # JAX refuses any write into a ref that an enclosing `vmap` does not batch
         # (even of an unbatched value) with a bare `Exception`; recognise the case by
@@ -382,6 +387,21 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         if type(e) is Exception and not is_batched(cell):
             raise StateWriteError(unbatched_message(buf, e)) from e
         raise
+
+
+def leaked_message(what: str) -> str:
+    """The one message for a cell whose ref escaped the transformation that mapped
+    it (a model returned by `eqx.filter_vmap` of a ref-mode step)."""
+    return (
+        f"The {what} holds a ref that escaped the transformation that mapped it: "
+        "this model was returned by a `vmap` (typically `eqx.filter_vmap` of a "
+        "ref-mode step or `es.apply`) that did not return its state refs as "
+        "outputs, because Equinox's filters treat a ref as static. A ref-mode call "
+        "updates the state in place: keep using the model you passed in, and "
+        "discard the returned one (or return `eqx.filter(model, "
+        "es.is_array_or_ref)` from `jax.vmap` over `eqx.partition(model, "
+        "es.is_array_or_ref)`, which returns the refs themselves)."
+    )
 
 
 def unbatched_message(buf: Buffer | str, e: Exception) -> str:

@@ -1024,7 +1024,9 @@ _PATTERNS = (
     "use raises, naming the fix: partition with `es.is_array_or_ref` (arrays and refs), "
     "which makes the idiom exact ([[scan (layers, es.is_array_or_ref)]]); for "
     "`eqx.filter_vmap`, `in_axes=(lambda x: 0 if es.is_array_or_ref(x) else None, 0)`, "
-    "or `jax.vmap` over the partitioned model ([[vmap (ensemble)]]). In value mode "
+    "or `jax.vmap` over the partitioned model ([[vmap (ensemble)]]); a function "
+    "that returns the model (a step) needs the latter, since `eqx.filter_vmap` "
+    "cannot return refs (reading a model it returned says so). In value mode "
     "outside a step, cells hold arrays and every Equinox idiom works as usual.",
     "**Per-example calls** (Equinox's BatchNorm style): `es.vmap(..., "
     "axis_name=...)` with layers that reduce over the axis "

@@ -180,6 +180,47 @@ def test_vmap_ensemble_equals_solo_runs():
         assert int(ens.steps.count[...][j]) == 3
 
 
+def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
+    """A ref-mode ensemble trains under `jax.vmap` over `eqx.partition(model,
+    es.is_array_or_ref)`, which returns the refs themselves (reference: `vmap` of
+    the hand-threaded step). `eqx.filter_vmap` of the step cannot return refs
+    (Equinox's filters treat them as static): reading the model it returns raised
+    JAX's bare UnexpectedTracerError; it names what happened and the fix."""
+    n, n_steps = 3, 3
+    keys = jax.random.split(jax.random.key(5), n)
+    xs, ys = data(n_steps)
+    opt = optax.adam(1e-2)
+    step = es.make_step(loss_fn, opt)
+    ens = es.to_refs(eqx.filter_vmap(Net)(keys))
+    p = jax.tree.map(jnp.copy, pure_params(eqx.filter_vmap(Net)(keys)))
+    stats = (jnp.zeros((n, W)), jnp.ones((n, W)), jnp.zeros(n, int), jnp.zeros(n, int))
+    popt = jax.vmap(opt.init)(p)
+    ref_step = jax.vmap(pure_step(opt), in_axes=(0, 0, 0, None, None))
+    dyn, static = eqx.partition(ens, es.is_array_or_ref)
+    ens_opt = jax.vmap(lambda d: step.init(eqx.combine(d, static)))(dyn)
+
+    def member(d, o, x, y):
+        m, o = step(eqx.combine(d, static), o, x, y)
+        return eqx.filter(m, es.is_array_or_ref), o
+
+    for i in range(n_steps):
+        dyn, ens_opt = jax.vmap(member, in_axes=(0, 0, None, None))(
+            dyn, ens_opt, xs[i], ys[i]
+        )
+        p, stats, popt = ref_step(p, stats, popt, xs[i], ys[i])
+    ens = eqx.combine(dyn, static)
+    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ens.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * n)
+
+    in_axes = (lambda x: 0 if es.is_array_or_ref(x) else None, 0, None, None)
+    escaped, _ = eqx.filter_vmap(step, in_axes=in_axes)(ens, ens_opt, xs[0], ys[0])
+    with pytest.raises(es.StateError, match=r"escaped the transformation.*partition"):
+        escaped.bn.running_mean[...]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_weak_scalars_compute_and_compile_as_under_filter_jit(mode):
     """A weakly typed parameter (`jnp.asarray(1.0)`) comes back strongly typed from
