@@ -395,12 +395,15 @@ def leaked_message(what: str) -> str:
     return (
         f"The {what} holds a ref that escaped the transformation that mapped it: "
         "this model was returned by a `vmap` (typically `eqx.filter_vmap` of a "
-        "ref-mode step or `es.apply`) that did not return its state refs as "
-        "outputs, because Equinox's filters treat a ref as static. A ref-mode call "
-        "updates the state in place: keep using the model you passed in, and "
-        "discard the returned one (or return `eqx.filter(model, "
-        "es.is_array_or_ref)` from `jax.vmap` over `eqx.partition(model, "
-        "es.is_array_or_ref)`, which returns the refs themselves)."
+        "ref-mode step or `es.apply`) that could not return its state refs, "
+        "because Equinox's filters treat a ref as static. The call did run: its "
+        "new arrays are in the returned model and its state writes in the refs of "
+        "the model passed in (whose arrays a step consumed). Put them together "
+        "with `model = eqx.combine(eqx.filter(returned, eqx.is_array), "
+        "eqx.filter(passed, lambda x: isinstance(x, jax.Ref)))`, and map such "
+        "calls with `jax.vmap` over `eqx.partition(model, es.is_array_or_ref)`, "
+        "returning `eqx.filter(model, es.is_array_or_ref)`: `jax.vmap` returns "
+        "the refs themselves."
     )
 
 

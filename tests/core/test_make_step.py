@@ -216,9 +216,20 @@ def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
     np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * n)
 
     in_axes = (lambda x: 0 if es.is_array_or_ref(x) else None, 0, None, None)
-    escaped, _ = eqx.filter_vmap(step, in_axes=in_axes)(ens, ens_opt, xs[0], ys[0])
+    x, y = xs[0], ys[0]
+    escaped, ens_opt = eqx.filter_vmap(step, in_axes=in_axes)(ens, ens_opt, x, y)
+    p, stats, popt = ref_step(p, stats, popt, x, y)
     with pytest.raises(es.StateError, match=r"escaped the transformation.*partition"):
         escaped.bn.running_mean[...]
+    # the recovery the message names loses nothing
+    ens = eqx.combine(
+        eqx.filter(escaped, eqx.is_array),
+        eqx.filter(ens, lambda x: isinstance(x, jax.Ref)),
+    )
+    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ens.steps.count[...], [n_steps + 1] * n)
 
 
 @pytest.mark.parametrize("mode", MODES)
