@@ -175,7 +175,7 @@ class Buffer(eqx.Module):
         try:
             return v[idx]
         except jax.errors.UnexpectedTracerError as e:
-            raise StateError(leaked_message(describe(self))) from e
+            raise StateError(leaked_message(describe(self), v)) from e
 
     def __setitem__(self, idx: Any, new: Any) -> None:
         _write(self, idx, new)
@@ -379,7 +379,7 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
     try:
         cell[idx] = jax.lax.stop_gradient(new)
     except jax.errors.UnexpectedTracerError as e:
-        raise StateError(leaked_message(describe(buf))) from e
+        raise StateError(leaked_message(describe(buf), cell)) from e
     except Exception as e:
         # JAX refuses any write into a ref that an enclosing `vmap` does not batch
         # (even of an unbatched value) with a bare `Exception`; recognise the case by
@@ -389,9 +389,19 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         raise
 
 
-def leaked_message(what: str) -> str:
-    """The one message for a cell whose ref escaped the transformation that mapped
-    it (a model returned by `eqx.filter_vmap` of a ref-mode step)."""
+def leaked_message(what: str, ref: Any) -> str:
+    """The one message for a cell whose ref escaped the transformation that made
+    or mapped it (a model returned by `eqx.filter_vmap` of a ref-mode step, or by
+    a jitted function that called `es.to_refs`)."""
+    if not is_batched(ref):
+        return (
+            f"The {what} holds a ref that escaped the transformation that made it: "
+            "`es.to_refs` (or `jax.new_ref`) ran inside a traced function "
+            "(`jax.jit`, `eqx.filter_jit`, a scan body...), whose refs exist only "
+            "while it is traced, and the model was returned from it. Call "
+            "`es.to_refs` once, outside, on the model before passing it in, or "
+            "return `es.freeze(model)` (its values) from the traced function."
+        )
     return (
         f"The {what} holds a ref that escaped the transformation that mapped it: "
         "this model was returned by a `vmap` (typically `eqx.filter_vmap` of a "

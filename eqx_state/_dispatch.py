@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import _is_ref, is_consumed, is_state, unbatched_message
+from ._buffer import _is_ref, is_consumed, is_state, leaked_message, unbatched_message
 from ._checkpoint import _is_python_scalar
 from ._compat import (
     Tracer,
@@ -489,6 +489,8 @@ class Compiled:
                     self.donate_policy,
                 )
         if sig is _AMBIGUOUS or ((sig.refbuf_idx or sig.donates) and under_trace()):
+            if sig is _AMBIGUOUS and not under_trace():
+                _refuse_escaped(carry_leaves, carry_td, leaves, arg_td)
             # Under an outer transformation leaves are tracers, and a tracer may be
             # an array or a ref: classify each one (and donate only under `vmap`s
             # over an eager evaluation: `traced`, also when every leaf is concrete,
@@ -959,6 +961,28 @@ def _local_batch_message(x: Any, sharding: Any) -> str:
         f"(sharded as {sharding.spec}): build it from this process's rows with "
         "`es.global_batch(local_batch, mesh)` (`jax.make_array_from_process_local_data`"
         "); `es.process_slice(batch_size, mesh)` says which rows are this process's."
+    )
+
+
+def _refuse_escaped(carry_leaves: list, carry_td: Any, leaves: list, arg_td) -> None:
+    """Tracers given to a call that no transformation is tracing escaped the one
+    that made them (a model returned by `eqx.filter_vmap` of a ref-mode step, or by
+    a jitted function that called `es.to_refs`): name the first and the fix, before
+    JAX's bare `UnexpectedTracerError` deep in the call."""
+    n = len(carry_leaves)
+    tree = (carry_td.unflatten(leaves[:n]), *arg_td.unflatten(leaves[n:]))
+    escaped = [i for i, x in enumerate(leaves) if isinstance(x, Tracer)]
+    what = f"leaf {_named_in(tree, escaped[:1])}" + (
+        f" (one of {len(escaped)} such leaves)" if len(escaped) > 1 else ""
+    )
+    first = leaves[escaped[0]]
+    if _is_ref(first):
+        raise StateError(leaked_message(what, first))
+    raise StateError(
+        f"The {what} is a tracer that escaped the transformation that made it (a "
+        "value saved from inside `jax.jit`, `vmap` or `grad`, or returned through "
+        "a static field). Pass concrete arrays; return values from the transformed "
+        "function instead of keeping its intermediates."
     )
 
 

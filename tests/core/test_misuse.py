@@ -1117,3 +1117,53 @@ def test_random_batch_splits_equal_one_pass(cuts, seed):
             confusion_matrix(labels, x.argmax(-1), labels=range(3)),
         )
         assert int(m.batches.value) == len(chunks)
+
+
+def test_refs_made_inside_jit_and_returned_name_the_fix_on_every_use():
+    """`es.to_refs` inside a jitted function whose model is returned: its refs exist
+    only while the function is traced (Equinox returns them through the static
+    half). Reading, calling, `es.apply`, a step and `es.freeze` raised JAX's bare
+    UnexpectedTracerError (a step from deep in its call); each names the fix, and
+    the fix (`es.freeze` inside) gives PyTorch's statistics."""
+    x = jnp.arange(12.0).reshape(4, 3) ** 1.5
+    escaped = eqx.filter_jit(lambda m: es.to_refs(m))(es.nn.BatchNorm(3))
+    sgd = optax.sgd(0.1)
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), sgd)
+    uses = {
+        "read": lambda: escaped.running_mean[...],
+        "call": lambda: escaped(x),
+        "apply": lambda: es.apply(lambda m, x: m(x), escaped, x),
+        "step": lambda: step(escaped, sgd.init(eqx.filter(escaped, eqx.is_array)), x),
+        "freeze": lambda: es.freeze(escaped),
+    }
+    for use in uses.values():
+        with pytest.raises(es.StateError, match=r"escaped.*es.freeze\(model\)"):
+            use()
+
+    @eqx.filter_jit
+    def fixed(m, x):
+        m = es.to_refs(m)
+        m(x)
+        return es.freeze(m)
+
+    got = fixed(es.nn.BatchNorm(3), x)
+    bn = torch.nn.BatchNorm1d(3)
+    bn(torch.tensor(np.asarray(x)))
+    np.testing.assert_allclose(got.running_mean[...], bn.running_mean, rtol=1e-6)
+    np.testing.assert_allclose(got.running_var[...], bn.running_var, rtol=1e-6)
+
+
+def test_an_escaped_tracer_given_to_a_step_is_named():
+    """A parameter kept from inside a jitted function (not a ref) reached the step
+    as a tracer: JAX's bare UnexpectedTracerError; the step names the leaf."""
+    kept = []
+    jax.jit(lambda w: kept.append(w) or w)(jnp.ones(3))
+    model = eqx.tree_at(lambda m: m.weight, es.nn.BatchNorm(3), kept[0])
+    sgd = optax.sgd(0.1)
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), sgd)
+    with pytest.raises(es.StateError, match=r"leaf `model.weight` is a tracer"):
+        step(
+            model,
+            sgd.init(eqx.filter(es.nn.BatchNorm(3), eqx.is_array)),
+            jnp.ones((4, 3)),
+        )
