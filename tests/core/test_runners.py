@@ -414,6 +414,72 @@ def test_the_owned_loop_refuses_a_change_of_structure_in_place():
     assert float(opt_state.hyperparams["learning_rate"]) == np.float32(0.1)
 
 
+class _ListNet(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.vmap(layer)(x)
+        return x
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_layer_replaced_in_a_list_between_steps_is_taken_or_refused(runner):
+    """A layer of a list replaced between steps: a step call and a scan take it
+    (each call reads what it is given); the owned loop, which took the list over,
+    ignored it silently and now refuses it, naming `release()`; released, changed
+    and owned again it trains as the others. Reference: plain SGD threaded by
+    hand in pure JAX, the layer's weights swapped at the same step."""
+    k0, k1, k2, kx = jax.random.split(jax.random.key(7), 4)
+    first = [eqx.nn.Linear(3, 4, key=k0), eqx.nn.Linear(4, 2, key=k1)]
+    swapped_in = eqx.nn.Linear(4, 2, key=k2)
+    xs = jax.random.normal(kx, (3, 8, 3))
+    lr = 0.1
+
+    def forward(p, x):
+        for w, b in p:
+            x = x @ w.T + b
+        return x
+
+    p = [(lay.weight, lay.bias) for lay in first]
+    for i, x in enumerate(xs):
+        if i == 1:
+            p[1] = (swapped_in.weight, swapped_in.bias)
+        g = jax.grad(lambda p, x=x: jnp.mean(forward(p, x) ** 2))(p)
+        p = jax.tree.map(lambda a, d: a - lr * d, p, g)
+
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(lr))
+    model = _ListNet(list(first))
+    opt_state = step.init(model)
+    if runner == "own":
+        loop = step.own(model, opt_state)
+        loop(xs[0])
+        model.layers[1] = swapped_in
+        with pytest.raises(
+            es.StepError, match=r"`model\.layers\[1\]` .* was replaced.*release\(\)"
+        ):
+            loop(xs[1])
+        with pytest.warns(UserWarning, match=r"without that change"):
+            model, opt_state = loop.release()
+        model.layers[1] = swapped_in
+        opt_state = step.init(model)  # sgd keeps no state: the same as before
+        loop = step.own(model, opt_state)
+        loop(xs[1])
+        loop(xs[2])
+        model, opt_state = loop.release()
+    else:
+        for i, x in enumerate(xs):
+            if i == 1:
+                model.layers[1] = swapped_in
+            if runner == "step":
+                model, opt_state = step(model, opt_state, x)
+            else:
+                model, opt_state = step.scan(model, opt_state, x[None])
+    for lay, (w, b) in zip(model.layers, p, strict=True):
+        np.testing.assert_allclose(lay.weight, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lay.bias, b, rtol=1e-5, atol=1e-6)
+
+
 def test_the_owned_loop_keeps_nothing_of_the_given_carry_alive():
     """With `donate=False` the given carry's arrays are not consumed: once the
     loop has run a step, it holds none of them (only the lists and dicts that
