@@ -103,6 +103,30 @@ def mapped_by_same_vmap(x: Any, like: Any) -> bool:
     return False
 
 
+try:
+    from jax._src.interpreters.ad import (
+        JVPTracer as _JVPTracer,
+        LinearizeTracer as _LinearizeTracer,
+    )
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _JVPTracer = _LinearizeTracer = None
+
+
+def differentiation_trace(x: Any) -> Any:
+    """The trace differentiating `x` (`jax.grad`, `jvp`, `linearize`: `x` carries a
+    tangent), looking through the batch tracers of `vmap`s inside it; None when
+    nothing differentiates `x`. JAX keeps a tracer's trace in `._trace`."""
+    if _JVPTracer is None or _LinearizeTracer is None:  # pragma: no cover
+        return None
+    while isinstance(x, Tracer):
+        if isinstance(x, _JVPTracer | _LinearizeTracer):
+            return getattr(x, "_trace", None)
+        if not is_batched(x):
+            return None
+        x = x.val
+    return None
+
+
 def batched_identity(x: Any) -> Any:
     """What `id(x)` is for aliasing, for a value `vmap` maps: the identity of the
     array a batch tracer wraps (`.val`) with its batch axis (`.batch_dim`), so that

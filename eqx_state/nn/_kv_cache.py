@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Literal
+import weakref
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
-from .._compat import Tracer
+from .._compat import Tracer, differentiation_trace
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -17,6 +18,32 @@ from .._errors import (
     check_int,
 )
 from ._complex import refuse_complex
+
+
+# The caches appended to under each differentiation trace (`jax.grad` of a loss),
+# by their key cell's ref; an entry goes with its trace.
+_DIFFERENTIATED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _refuse_second_differentiated_append(
+    cache: KVCache, keys: Any, values: Any
+) -> None:
+    """A cache's cells are state, which is never differentiated: a chunk's own keys
+    and values reach the attention live (see `append`), but those of an earlier
+    chunk of the same differentiated call are read back from the cells, without
+    their gradient. Refuse that second append rather than return a gradient that
+    silently lacks them."""
+    trace = differentiation_trace(keys) or differentiation_trace(values)
+    if trace is not None and cache._appended_under(trace):
+        raise StateWriteError(
+            "KVCache.append: a second chunk was appended to this cache inside one "
+            "differentiated call (`jax.grad` of a loss, a training step). A cache "
+            "is state, and state is never differentiated: the earlier chunk's keys "
+            "and values would reach this chunk's attention without their gradient, "
+            "so the key and value projections would get a wrong one. Differentiate "
+            "over the whole sequence without a cache (`es.nn.without_kv_cache("
+            "model)`, the causal forward), or one chunk per differentiated call."
+        )
 
 
 def _overflow_message(max_len: int) -> str:
@@ -86,8 +113,11 @@ class KVCache(_LayerBase):
         (donated buffers, or the buffers of ref-mode cells):
         after such an error, build a fresh cache (e.g. with
         [`eqx_state.nn.with_kv_cache`][]);
-    - with `on_overflow="nan"`, the written keys and values become NaN instead, so
-        every later output is NaN, and the computation continues. This check is an
+    - with `on_overflow="nan"`, the overflowing chunk's outputs are NaN, and so
+        is every later output, and the computation continues; the cache's
+        positions from the cursor to `max_len` become NaN, those before it are
+        kept (so `truncate` to a length at most the old cursor rewinds to a valid
+        prefix). This check is an
         elementwise select; `"raise"` is a conditional per write, which on GPU
         reads the predicate back to the host at every step.
 
@@ -229,14 +259,41 @@ class KVCache(_LayerBase):
                 f"{_overflow_message(self.max_len)} (cursor {int(start)}, writing {n} "
                 "positions)"
             )
+        _refuse_second_differentiated_append(self, keys, values)
         zero = jnp.zeros((), start.dtype)
+        full = []
         for cell, new in ((self.keys, keys), (self.values, values)):
             new = jnp.swapaxes(new, 0, 1).astype(cell.dtype)  # [heads, seq, head_dim]
-            cell[...] = jax.lax.dynamic_update_slice(
-                cell[...], new, (zero, start, zero)
-            )
+            old = cell[...]
+            updated = jax.lax.dynamic_update_slice(old, new, (zero, start, zero))
+            attended = updated
+            if isinstance(start, Tracer) and self.on_overflow == "nan":
+                # `dynamic_update_slice` clamps a write past the end to end at
+                # max_len, which would put the NaN over valid positions before the
+                # cursor: an overflowing write marks [start, max_len) only, and
+                # the chunk attends over NaN (its own keys have no place)
+                over = start + n > self.max_len
+                nan = jnp.asarray(jnp.nan, old.dtype)
+                pos = jnp.arange(self.max_len, dtype=start.dtype)[None, :, None]
+                updated = jnp.where(over, jnp.where(pos >= start, nan, old), updated)
+                attended = jnp.where(over, nan, attended)
+            cell[...] = updated
+            full.append(attended)
         self.cursor[...] = start + n
-        return start, self.keys[...], self.values[...]
+        # What the chunk attends over: the values the cells now hold (NaN for an
+        # overflowing chunk), with the new keys and values keeping their gradient
+        # (a state write does not carry one)
+        return start, full[0], full[1]
+
+    def _appended_under(self, trace: Any) -> bool:
+        """Whether this cache was appended to before under the differentiation
+        `trace` (and note that it now is)."""
+        seen = _DIFFERENTIATED.setdefault(trace, [])
+        ref = self.keys.value
+        if any(r is ref for r in seen):
+            return True
+        seen.append(ref)
+        return False
 
     def reset(self) -> None:
         """Start a new sequence: write zeros into the keys and values and set the

@@ -134,6 +134,39 @@ def test_mapped_by_same_vmap_tells_the_inner_vmap_from_an_outer_one():
     }, "JAX's batch tracers changed: update _compat.mapped_by_same_vmap"
 
 
+def test_differentiation_trace_sees_grad_jvp_and_linearize_through_vmap():
+    seen = {}
+
+    def probe(name):
+        def f(x):
+            seen[name] = _compat.differentiation_trace(x) is not None
+            return jnp.sum(x * x)
+
+        return f
+
+    x = jnp.ones(2)
+    probe("eager")(x)
+    jax.grad(probe("grad"))(x)
+    jax.jvp(probe("jvp"), (x,), (x,))
+    jax.linearize(probe("linearize"), x)
+    jax.grad(lambda x: jax.vmap(probe("grad of vmap"))(x[:, None]).sum())(x)
+    jax.vmap(jax.grad(probe("vmap of grad")))(x[:, None])
+    jax.vmap(probe("vmap"))(x)
+    jax.jit(probe("jit"))(x)
+    jax.grad(lambda x: probe("a constant under grad")(jnp.ones(2)) + x)(1.0)
+    assert seen == {
+        "eager": False,
+        "grad": True,
+        "jvp": True,
+        "linearize": True,
+        "grad of vmap": True,
+        "vmap of grad": True,
+        "vmap": False,
+        "jit": False,
+        "a constant under grad": False,
+    }, "JAX's differentiation tracers changed: update _compat.differentiation_trace"
+
+
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

@@ -579,6 +579,14 @@ def test_reset_after_poisoning_equals_uncached(mode, reset, poison):
     if poison == "overflow":
         y, cached = call(cached, mode, _decode_one_by_one, x)  # 8 > max_len 6
         assert np.all(np.isnan(y[6:]))
+        np.testing.assert_array_equal(cached.cache.length, 8)
+        # past the end: the 6 valid positions stay; one that starts inside the
+        # cache marks the rest of it
+        _, cached = call(cached, mode, _resetters()[reset])
+        _, cached = call(cached, mode, lambda m, c: m(c), x[:4])
+        y, cached = jit_call(cached, mode, _feed, x[4:8])  # 4 + 4 > max_len 6
+        assert np.all(np.isnan(y))
+        assert np.isfinite(np.asarray(cached.cache.values[...])[:, :4]).all()
     else:
         _, cached = call(cached, mode, lambda m, c: m(c), x[:5].at[2].set(jnp.nan))
     assert np.isnan(np.asarray(cached.cache.values[...])).any()
@@ -832,3 +840,114 @@ def test_overflow_under_make_apply_raises_with_the_message():
         match="KVCache overflow",
     ):
         step(cache, k)
+
+
+def _torch_attention(attn, x):
+    """`attn(x)` by PyTorch in float64 through the causal
+    `scaled_dot_product_attention`, and its parameters as leaf tensors."""
+    torch = pytest.importorskip("torch")
+    functional = torch.nn.functional
+    names = ("query_proj", "key_proj", "value_proj", "output_proj")
+    params = {
+        n: [
+            torch.tensor(np.asarray(getattr(attn, n).weight), dtype=torch.float64),
+            torch.tensor(np.asarray(getattr(attn, n).bias), dtype=torch.float64),
+        ]
+        for n in names
+    }
+    for w, b in params.values():
+        w.requires_grad_(True)
+        b.requires_grad_(True)
+    xt = torch.tensor(np.asarray(x), dtype=torch.float64)
+
+    def heads(a):
+        return a.view(-1, H, D // H).transpose(0, 1)
+
+    q, k, v = (functional.linear(xt, *params[n]) for n in names[:3])
+    att = functional.scaled_dot_product_attention(
+        heads(q), heads(k), heads(v), is_causal=True
+    )
+    out = functional.linear(att.transpose(0, 1).reshape(-1, D), *params["output_proj"])
+    return out, params
+
+
+def _torch_attention_grads(attn, x):
+    """Gradients of `sum(attn(x) ** 2)` by PyTorch autograd, per projection."""
+    out, params = _torch_attention(attn, x)
+    (out**2).sum().backward()
+    return {n: (w.grad.numpy(), b.grad.numpy()) for n, (w, b) in params.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_through_a_cached_chunk_equal_torch(attn, x, mode):
+    """A chunk attends over the cache after writing its keys and values into it;
+    state writes carry no gradient, so it attended over values without one: the
+    key and value projections got a zero gradient, silently. Reference: PyTorch
+    autograd in float64."""
+    want = _torch_attention_grads(attn, x)
+    cached = as_mode(es.nn.with_kv_cache(attn, max_len=10), mode)
+    step = es.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.sgd(1.0), donate=False)
+    new, _ = step(cached, step.init(cached), x)
+    for name, (gw, gb) in want.items():
+        got_w = np.asarray(getattr(attn, name).weight) - np.asarray(
+            getattr(new, name).weight
+        )
+        got_b = np.asarray(getattr(attn, name).bias) - np.asarray(
+            getattr(new, name).bias
+        )
+        np.testing.assert_allclose(got_w, gw, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got_b, gb, rtol=1e-4, atol=1e-5, err_msg=name)
+    # the forward pass is unchanged: the cache holds what the chunk attended over
+    np.testing.assert_array_equal(new.cache.keys[...][:, 7:], 0.0)
+    assert int(new.cache.cursor[...]) == 7
+
+
+def test_a_second_chunk_in_one_differentiated_call_is_refused(attn, x):
+    """The first chunk's keys and values reach the second chunk from the cache,
+    without their gradient (state is never differentiated): refused, naming the
+    cacheless forward; one chunk per call, and a second chunk outside any
+    gradient, still work."""
+    cached = es.nn.with_kv_cache(attn, max_len=10)
+
+    def two_chunks(m, x):
+        return jnp.sum(m(x[:4]) ** 2) + jnp.sum(m(x[4:]) ** 2)
+
+    step = es.make_step(two_chunks, optax.sgd(1.0), donate=False)
+    with pytest.raises(es.StateWriteError, match=r"second chunk.*without_kv_cache"):
+        step(cached, step.init(cached), x)
+    ref = es.to_refs(cached)
+    with pytest.raises(es.StateWriteError, match=r"second chunk"):
+        eqx.filter_grad(two_chunks)(ref, x)
+    out, _ = es.apply(two_chunks, cached, x)  # no gradient: fine
+    want = (_torch_attention(attn, x)[0].detach().numpy() ** 2).sum()
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_overflowing_write_with_policy_nan_keeps_the_positions_before_it(batched):
+    """`dynamic_update_slice` clamps a write past the end, so the NaN of an
+    overflowing chunk landed on valid positions before the cursor: truncating back
+    to them decoded NaN. Reference: PyTorch's attention over the valid tokens."""
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 13, D))
+    dec = es.nn.with_kv_cache(
+        attn, max_len=10, on_overflow="nan", batch_size=2 if batched else None
+    )
+    call = jax.vmap(_feed, in_axes=(es.nn.kv_cache_axes(dec), 0)) if batched else _feed
+
+    @eqx.filter_jit
+    def feed(m, x):
+        return es.apply(call, m, x)
+
+    xs = x if batched else x[0]
+    _, dec = feed(dec, xs[..., :8, :])
+    _, dec = feed(dec, xs[..., 8:12, :])  # 8 + 4 > 10: overflows, NaN by policy
+    keys = np.asarray(dec.cache.keys[...])
+    assert np.isfinite(keys[..., :8, :]).all()
+    assert np.isnan(keys[..., 8:, :]).all()
+    dec = es.nn.truncate_kv_cache(dec, 8)
+    y, dec = feed(dec, xs[..., 8:9, :])
+    for b in range(2 if batched else 1):
+        want = _torch_attention(attn, x[b, :9])[0].detach().numpy()[8]
+        got = y[b, 0] if batched else y[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
