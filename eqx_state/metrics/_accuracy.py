@@ -62,7 +62,8 @@ class Accuracy(Metric):
         highest-ranked classes (needs logits/scores, not predicted labels).
     - `threshold`: for binary (or multi-label) problems given as probabilities of
         the positive class, of the labels' shape: predict 1 where the probability
-        is `> threshold` (torchmetrics' rule; NaN predicts 0). Logits work too, as
+        is `> threshold` (torchmetrics' rule: in the probabilities' dtype, the
+        threshold rounded to it; NaN predicts 0). Logits work too, as
         in torchmetrics: when any (unmasked) value of an update is outside [0, 1]
         (or NaN), all the update's values go through a sigmoid first. On multi-label input
         `[*batch, num_labels]` this is the fraction of correct label entries
@@ -173,7 +174,7 @@ class Accuracy(Metric):
             num_classes = 2 if self.threshold is not None else self.num_classes
             hit = _valid_labels(labels, num_classes) & (preds == labels)
         w = _weights(labels, mask, sample_weight, self.total.dtype)
-        ignored = _ignored(labels, self.ignore_index)
+        ignored = _ignored(y, self.ignore_index)  # the labels as given, not int32
         if ignored is not None:
             w = jnp.where(ignored, jnp.zeros_like(w), w)
         correct = jnp.sum(jnp.where(hit, w, jnp.zeros_like(w)))

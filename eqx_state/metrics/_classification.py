@@ -131,8 +131,10 @@ class _ConfusionMetric(Metric):
             its values are logits and go through a sigmoid before `> threshold`.
         - `labels`: the true class indices, shape `[*batch]`; multi-label: 0/1 of
             shape `[*batch, num_labels]`.
-        - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix).
-        - `mask`: which examples count; masked-out (padding) examples contribute
+        - `sample_weight`: a weight per example (scalar, `[*batch]` or a prefix;
+            multi-label, also one per entry, `[*batch, num_classes]`).
+        - `mask`: which examples (multi-label: or entries) count; masked-out
+            (padding) examples contribute
             nothing. Labels (and predicted labels) outside `[0, num_classes)` — or,
             multi-label, other than 0 and 1 — e.g. a padding label of -1, are
             dropped too, as are labels equal to `ignore_index`. (A sample weight
@@ -213,7 +215,8 @@ class _ConfusionMetric(Metric):
         else:
             preds = _as_labels(f"{name}.update: predictions", x)
         dtype = self.matrix.dtype
-        w = _weights(y[..., 0], mask, sample_weight, dtype)[..., None]
+        # a weight (or mask) per example ([*batch], a prefix) or per entry
+        w = jnp.broadcast_to(_weights(y, mask, sample_weight, dtype), y.shape)
         ok = ((y == 0) | (y == 1)) & ((preds == 0) | (preds == 1))
         ignored = _ignored(y, self.ignore_index)
         if ignored is not None:  # per entry, as torchmetrics' multi-label metrics
@@ -258,7 +261,8 @@ class ConfusionMatrix(_ConfusionMetric):
         0, as in sklearn.
     - `threshold`: binary problems given as probabilities of the positive class
         (needs `num_classes=2`), or multi-label probabilities: predict 1 where the
-        probability is `> threshold`. Logits work too: when any value of an
+        probability is `> threshold` (in the probabilities' dtype, the threshold
+        rounded to it, as torchmetrics). Logits work too: when any value of an
         update is outside [0, 1] (or NaN), the update's values go through a
         sigmoid first (torchmetrics' rule; for binary input, torchmetrics'
         `BinaryConfusionMatrix` decides over the examples it does not ignore).
@@ -460,7 +464,8 @@ class Precision(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        `> threshold` (as torchmetrics: in the probabilities' dtype, the threshold
+        rounded to it). Logits work too: when any value of an
         update is outside [0, 1] (or NaN), the update's values go through a
         sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
@@ -531,7 +536,8 @@ class Recall(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        `> threshold` (as torchmetrics: in the probabilities' dtype, the threshold
+        rounded to it). Logits work too: when any value of an
         update is outside [0, 1] (or NaN), the update's values go through a
         sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape
@@ -603,7 +609,8 @@ class F1(_AveragedMetric):
         ranking of [`eqx_state.metrics.Accuracy`][]).
     - `threshold`: binary problems given as probabilities of the positive class,
         or multi-label probabilities: predict 1 where the probability is
-        `> threshold` (as torchmetrics). Logits work too: when any value of an
+        `> threshold` (as torchmetrics: in the probabilities' dtype, the threshold
+        rounded to it). Logits work too: when any value of an
         update is outside [0, 1] (or NaN), the update's values go through a
         sigmoid first (torchmetrics' rule).
     - `multilabel`: inputs are 0/1 indicators (or probabilities) of shape

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._errors import StateTypeError, StateValueError, check_real
@@ -108,10 +109,15 @@ def _threshold(
             f"{shape + ('num_classes',)}) or predicted integer labels "
             "(`jnp.argmax(logits, -1)`)."
         )
-    if jnp.dtype(x.dtype).itemsize < 4:  # compared exactly: bfloat16 0.30078125
-        x = x.astype(jnp.float32)  # is > 0.3, which bfloat16(0.3) is not
-    p = _as_probabilities(x, counted, axis_name)
-    return (p > threshold).astype(jnp.int32)  # NaN > t is False: predicted 0
+    dtype = x.dtype
+    if jnp.dtype(dtype).itemsize < 4:  # the sigmoid of logits in float32
+        x = x.astype(jnp.float32)
+    p = _as_probabilities(x, counted, axis_name).astype(dtype)
+    # compared in the predictions' dtype, the threshold rounded to it, for every
+    # dtype alike: torchmetrics' `preds > threshold` on a tensor, and NumPy's
+    # (bfloat16 0.30078125 is not > 0.3, which rounds to it; float32 0.3 is not
+    # either). NaN > t is False: predicted 0.
+    return (p > np.asarray(threshold, dtype)).astype(jnp.int32)
 
 
 def _split_inputs(

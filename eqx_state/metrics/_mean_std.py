@@ -31,14 +31,18 @@ class MeanStd(Metric):
     Statistics: the total weight `count`, the `mean` and `m2`, the weighted sum of
     squared deviations from the mean (declared `merge="custom"`: they merge
     together). Each batch's moments are computed around the batch mean (two passes
-    over the batch, numerically stable) and merged into the state with the parallel
-    formula of Chan, Golub and LeVeque:
+    over the batch with the correction term of the corrected two-pass algorithm,
+    numerically stable) and merged into the state with the parallel formula of
+    Chan, Golub and LeVeque:
 
     `n = na + nb`, `d = mb - ma`, `mean = ma + d * nb / n`,
     `m2 = m2a + m2b + d**2 * na * nb / n`,
 
     which is exact and associative, so batches, merges and devices can be combined in
-    any grouping. Sample weights act as frequency weights (a weight of 2 counts a
+    any grouping. (The state's `mean` is kept in `dtype`: where the values' spread
+    between batches is near that dtype's resolution at their size, e.g. 1e7 +
+    N(0, 1) in float32, whose means are rounded to whole numbers, the merged
+    deviation is off by a few percent; use `dtype=jnp.float64` with x64 there.) Sample weights act as frequency weights (a weight of 2 counts a
     value twice), so they must not be negative (as `numpy.cov`'s `fweights`): a
     negative weight raises, through `eqx.error_if`.
 
@@ -131,7 +135,11 @@ class MeanStd(Metric):
         n = jnp.sum(w)
         mean = _div(jnp.sum(jnp.where(keep, values * w, zero)), n)
         dev = jnp.where(keep, values - mean, zero)
-        m2 = jnp.sum(w * dev * dev)
+        # the corrected two-pass sum (Chan, Golub & LeVeque): the second term
+        # removes the error of a mean rounded to the values' precision (1e7 + N(0,
+        # 1) in float32 read a std of 1.44); >= 0 in exact arithmetic
+        first = jnp.sum(w * dev)
+        m2 = jnp.maximum(jnp.sum(w * dev * dev) - _div(first * first, n), 0)
         self.accumulate(count=n, mean=mean, m2=m2)
 
     def merge_statistics(

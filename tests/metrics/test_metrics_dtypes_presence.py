@@ -214,22 +214,56 @@ def test_an_ignore_index_outside_the_labels_dtype_ignores_nothing(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_threshold_compares_narrow_probabilities_exactly(mode):
-    """ "Predicted 1 where the probability is > threshold", for the probability as
-    given: bfloat16 0.30078125 is > 0.3 (bfloat16(0.3) is not; Recall read 0.0),
-    float16 0.7001953125 is > 0.7. Reference: the comparison in float64."""
-    for dtype, prob, t in (
-        (jnp.bfloat16, 0.30078125, 0.3),
-        (jnp.float16, 0.7001953125, 0.7),
+def test_accuracy_ignores_an_unsigned_padding_label_past_int32(mode):
+    """A uint32 padding label 0xFFFFFFFF with `ignore_index=2**32 - 1`: Accuracy
+    compared it after casting the labels to int32 (-1), so the padding counted as
+    wrong (0.4 where sklearn on the kept examples gives 2/3); the confusion-matrix
+    metrics compared the labels as given. Reference: sklearn on the kept ones."""
+    pad = 2**32 - 1
+    y = np.array([0, 1, 2, pad, pad], np.uint32)
+    p = np.array([0, 1, 1, 0, 2], np.int32)
+    keep = y != pad
+    want = skm.accuracy_score(y[keep], p[keep])
+    acc = run(esm.Accuracy(ignore_index=pad), mode, p, y)
+    close(acc.compute(), want)
+    rec = run(esm.Recall(3, average="micro", ignore_index=pad), mode, p, y)
+    close(rec.compute(), want)
+    labels = np.array([[1, 0, pad], [0, pad, 1]], np.uint32)
+    probs = np.array([[0.9, 0.2, 0.7], [0.6, 0.1, 0.8]], np.float32)
+    multi = run(esm.Accuracy(threshold=0.5, ignore_index=pad), mode, probs, labels)
+    kept = labels != pad
+    close(multi.compute(), np.mean((probs > 0.5)[kept] == (labels[kept] == 1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_threshold_compares_in_the_probabilities_dtype_as_torchmetrics(mode):
+    """`p > threshold` with the threshold rounded to the probabilities' dtype, for
+    every dtype alike: bfloat16 and float16 probabilities were compared in
+    float32 against the exact threshold (bfloat16 0.30078125 > 0.3), float32 ones
+    against the rounded threshold, so that one probability value was predicted
+    differently in bfloat16 and in float32. Reference: torchmetrics on tensors of
+    the same dtype, values at, just above and just below the threshold."""
+    from _torchmetrics import classification as tc, torch
+
+    t = 0.3
+    y = np.array([1, 1, 1, 0, 1, 0])
+    for dtype, tdtype in (
+        (jnp.bfloat16, torch.bfloat16),
+        (jnp.float16, torch.float16),
+        (jnp.float32, torch.float32),
     ):
-        probs = jnp.asarray([prob, 0.1, prob], dtype)
-        y = np.array([1, 0, 0])
-        want_pred = (np.asarray(probs, np.float64) > t).astype(int)
-        assert want_pred.tolist() == [1, 0, 1]
-        r = run(esm.Recall(2, threshold=t), mode, probs, y)
-        close(r.compute(), skm.recall_score(y, want_pred))
-        a = run(esm.Accuracy(threshold=t), mode, probs, y)
-        close(a.compute(), skm.accuracy_score(y, want_pred))
+        at = jnp.asarray(t, dtype)
+        up = jnp.nextafter(at, jnp.asarray(1, dtype))
+        down = jnp.nextafter(at, jnp.asarray(0, dtype))
+        probs = jnp.stack([at, up, down, up, at, jnp.asarray(0.9, dtype)])
+        tp = torch.tensor(np.asarray(probs, np.float32)).to(tdtype)
+        for cls, tcls in (
+            (esm.Recall, tc.BinaryRecall),
+            (esm.Accuracy, tc.BinaryAccuracy),
+        ):
+            got = run(cls(threshold=t), mode, probs, y).compute()
+            want = tcls(threshold=t)(tp, torch.tensor(y)).item()
+            assert float(got) == pytest.approx(want), (cls, jnp.dtype(dtype).name)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -401,3 +435,24 @@ def test_a_weakly_typed_integer_constant_updates_integer_statistics_under_jit():
         esm.Sum(dtype=jnp.int32), jnp.zeros((2, 1))
     )
     assert int(total.compute()) == 6
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mean_std_of_float32_values_far_from_zero_equals_float64(mode):
+    """1e7 + N(0, 1) in float32: the batch mean rounds by about one unit of float32
+    at that size, and the sum of squared deviations around it read a std of 1.44
+    (+44 %); the corrected two-pass sum removes that error. Across batches the
+    float32 state's mean itself has that resolution (as the docstring says): a
+    few percent, where the uncorrected sum was off by 40 %. Reference: float64
+    NumPy on the same float32 values, one batch and 20."""
+    rng = np.random.default_rng(0)
+    x = (1e7 + rng.normal(size=(20, 1000))).astype(np.float32)
+    exact = np.asarray(x, np.float64)
+    one = run(esm.MeanStd(), mode, x[0])
+    close(one.compute()[1], exact[0].std(), rtol=1e-3)
+    metric = esm.MeanStd()
+    for batch in x:
+        metric = run(metric, mode, batch)
+    mean, std = metric.compute()
+    close(std, exact.std(), rtol=0.03)
+    close(mean, exact.mean(), rtol=3e-7)  # one float32 unit at 1e7

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _metric_run import run
 from _torchmetrics import classification as tc, torch
 
 import eqx_state as es
@@ -161,6 +162,43 @@ def test_ignore_index_multilabel(mode, ignore):
         tc.MultilabelConfusionMatrix(labels, **kw),
     ]
     check(metrics, refs, mode, p, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["mask", "sample_weight"])
+def test_multilabel_entries_left_out_per_entry_equal_torchmetrics_ignoring_them(
+    mode, how
+):
+    """A per-entry mask (or 0/1 weight) of shape [batch, num_labels]: the confusion
+    metrics refused it, saying the values had shape [batch] (they built the
+    weights from the first label's column), where Accuracy takes it. Reference:
+    torchmetrics with those entries' labels set to its `ignore_index`."""
+    rng = np.random.default_rng(3)
+    n, labels = 16, 3
+    p = rng.random((n, labels)).astype(np.float32)
+    y = rng.integers(0, 2, (n, labels))
+    keep = rng.random((n, labels)) < 0.7
+    given = keep if how == "mask" else keep.astype(np.float32)
+    ml = dict(threshold=0.5, multilabel=True)
+    metrics = [
+        esm.Precision(labels, average="macro", **ml),
+        esm.Recall(labels, average="micro", **ml),
+        esm.F1(labels, average=None, **ml),
+        esm.ConfusionMatrix(labels, **ml),
+    ]
+    refs = [
+        tc.MultilabelPrecision(labels, average="macro", threshold=0.5, ignore_index=-1),
+        tc.MultilabelRecall(labels, average="micro", threshold=0.5, ignore_index=-1),
+        tc.MultilabelF1Score(labels, average="none", threshold=0.5, ignore_index=-1),
+        tc.MultilabelConfusionMatrix(labels, threshold=0.5, ignore_index=-1),
+    ]
+    y_ignored = torch.tensor(np.where(keep, y, -1))
+    for m, ref in zip(metrics, refs):
+        got = run(m, mode, p, y, **{how: given})
+        want = ref(torch.tensor(p), y_ignored).numpy()
+        np.testing.assert_allclose(
+            got.compute(), want, rtol=1e-5, err_msg=type(m).__name__
+        )
 
 
 def test_ignore_index_must_be_an_int():
