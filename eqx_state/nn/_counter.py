@@ -64,8 +64,15 @@ class Counter(_LayerBase):
 
     def increment(self, by: int | Integer[Array, "..."] = 1) -> Integer[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
+        dtype = self.count.dtype
         if is_whole(by):
-            by = _whole("Counter.increment", "`by`", by, self.count.dtype, step=True)
+            by = _whole("Counter.increment", "`by`", by, dtype, step=True)
+            # in the counter's dtype (`jnp.asarray` would take int32, which holds
+            # no uint32 step past 2**31 - 1); a negative step of an unsigned
+            # counter as its value modulo 2**bits, to which the sum wraps
+            if jnp.iinfo(dtype).min == 0:
+                by %= int(jnp.iinfo(dtype).max) + 1
+            by = jnp.asarray(by, dtype)
         elif not jnp.issubdtype(getattr(by, "dtype", object), jnp.integer):
             raise StateTypeError(
                 f"Counter.increment(by) needs an integer step, got {by!r}; a "

@@ -86,7 +86,8 @@ class RunningNorm(_LayerBase):
         per-environment call `es.vmap(policy, axis_name="env")(obs)` updates the
         moments once with every environment's observation.
     - `inference`: start in evaluation mode.
-    - `dtype`: the floating dtype of the moments.
+    - `dtype`: the floating dtype of the moments, 32 bits or more (default
+        float32).
 
     **Example:**
 
@@ -136,6 +137,14 @@ class RunningNorm(_LayerBase):
         dtype = jnp.float32 if dtype is None else dtype
         if not jnp.issubdtype(dtype, jnp.floating):
             raise StateValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
+        if jnp.finfo(dtype).bits < 32:
+            raise StateValueError(
+                f"RunningNorm: dtype must be a floating dtype of 32 bits or more "
+                f"(float32, float64 with x64), got {jnp.dtype(dtype).name}: the "
+                "moments accumulate the whole run, and in a narrower float the "
+                "count's weights overflow (float16: NaN after 65,504 inputs). Train "
+                "in float32 and cast the model for inference if you need to."
+            )
         self.shape = shape
         self.eps = float(eps)
         self.clip = clip
@@ -212,6 +221,8 @@ class RunningNorm(_LayerBase):
 
     def _update(self, xc: Array, nb: int, n: int) -> None:
         check_cell_dtype("RunningNorm", self, self.count, jnp.integer, 32)
+        for cell in (self.mean, self.var):  # accumulated: 32 bits at least
+            check_cell_dtype("RunningNorm", self, cell, jnp.floating, 32)
         axes = tuple(range(nb))
         expand = (1,) * nb + self.shape
         if self.axis_name is None:

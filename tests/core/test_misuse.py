@@ -261,6 +261,17 @@ def test_counter_takes_whole_numbers_as_integer_arithmetic_does():
     assert int(c.value) == 5 - 1
     c.increment(-5)
     assert int(c.value) == (5 - 1 - 5) % 2**32
+    # steps of the dtype's range past int32's (they raised a bare OverflowError),
+    # eagerly and inside a call; reference: NumPy's uint32 arithmetic
+    want = np.uint32(3)
+    c = es.to_refs(es.nn.Counter(3, dtype=jnp.uint32))
+    for by in (2**31, 2**32 - 1, -(2**31) - 1):
+        want = np.uint32((int(want) + by) % 2**32)
+        assert int(c.increment(by)) == int(want)
+    _, c = es.apply(
+        lambda m: m.increment(2**32 - 1), es.nn.Counter(3, dtype=jnp.uint32)
+    )
+    assert int(c.value) == 2
 
 
 # Every whole-number option of the library goes through one check

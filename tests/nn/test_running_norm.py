@@ -536,7 +536,13 @@ def test_unbound_axis_name_is_a_clear_error():
 
 
 @pytest.mark.parametrize(
-    "cell, dtype", [("mean", jnp.int32), ("count", jnp.int8), ("count", jnp.float32)]
+    "cell, dtype",
+    [
+        ("mean", jnp.int32),
+        ("count", jnp.int8),
+        ("count", jnp.float32),
+        ("var", jnp.float16),
+    ],
 )
 def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(cell, dtype):
     norm = es.nn.RunningNorm(3)
@@ -545,3 +551,25 @@ def test_a_statistic_cell_of_a_dtype_it_cannot_hold_is_refused(cell, dtype):
     )
     with pytest.raises(TypeError, match=rf"RunningNorm.*{cell}.*holds"):
         es.apply(lambda m, x: m(x), norm, jnp.ones((4, 3)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_moments_narrower_than_32_bits_are_refused_and_float16_inputs_work(dtype):
+    """`RunningNorm(dtype=float16)` went to variance 0, then NaN, after 65,504
+    inputs (the count's weights overflow float16), silently. Narrow moments are
+    refused, naming the fix; float16 inputs with float32 moments stay equal to
+    float64 NumPy past that count."""
+    with pytest.raises(ValueError, match=r"32 bits or more.*float16: NaN"):
+        es.nn.RunningNorm(3, dtype=dtype)
+    norm = es.nn.RunningNorm(3)
+    feed = es.make_apply(lambda m, x: m(x))
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(18):  # 73,728 inputs
+        x = (rng.normal(size=(4096, 3)) * 2 + 5).astype(np.float16)
+        seen.append(x.astype(np.float64))
+        y, norm = feed(norm, jnp.asarray(x))
+    exact = np.concatenate(seen)
+    np.testing.assert_allclose(norm.mean[...], exact.mean(0), rtol=1e-4)
+    np.testing.assert_allclose(norm.var[...], exact.var(0), rtol=1e-3)
+    assert np.isfinite(np.asarray(y, np.float32)).all()
