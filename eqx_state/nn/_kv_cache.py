@@ -42,7 +42,8 @@ def _refuse_second_differentiated_append(
             "and values would reach this chunk's attention without their gradient, "
             "so the key and value projections would get a wrong one. Differentiate "
             "over the whole sequence without a cache (`es.nn.without_kv_cache("
-            "model)`, the causal forward), or one chunk per differentiated call."
+            "model)`, the causal forward), or one chunk per differentiated call "
+            "(or per `cache.reset()`, which starts a new sequence)."
         )
 
 
@@ -300,6 +301,9 @@ class KVCache(_LayerBase):
         cursor to 0 (state writes; the same as `es.reset(cache, es.Cache)`)."""
         for cell in (self.keys, self.values, self.cursor):
             cell[...] = jnp.zeros(cell.shape, cell.dtype)
+        ref = self.keys.value  # nothing of an earlier chunk is attended over now
+        for seen in list(_DIFFERENTIATED.values()):
+            seen[:] = [r for r in seen if r is not ref]
 
     def truncate(self, length: int | Int[Array, "*batch"]) -> None:
         """Keep the first `length` positions and drop the rest: set the cursor to

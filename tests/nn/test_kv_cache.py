@@ -918,6 +918,19 @@ def test_a_second_chunk_in_one_differentiated_call_is_refused(attn, x):
     ref = es.to_refs(cached)
     with pytest.raises(es.StateWriteError, match=r"second chunk"):
         eqx.filter_grad(two_chunks)(ref, x)
+
+    # two sequences in one loss, the cache reset between them: each chunk attends
+    # over its own keys only, which carry their gradient (reference: PyTorch)
+    def two_sequences(m, x):
+        first = jnp.sum(m(x) ** 2)
+        m.cache.reset()
+        return first + jnp.sum(m(x) ** 2)
+
+    grads = eqx.filter_grad(two_sequences)(es.to_refs(cached), x)
+    want = _torch_attention_grads(attn, x)
+    np.testing.assert_allclose(
+        grads.key_proj.weight, 2 * want["key_proj"][0], rtol=1e-4, atol=1e-5
+    )
     out, _ = es.apply(two_chunks, cached, x)  # no gradient: fine
     want = (_torch_attention(attn, x)[0].detach().numpy() ** 2).sum()
     np.testing.assert_allclose(out, want, rtol=1e-5)
