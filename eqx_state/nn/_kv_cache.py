@@ -215,7 +215,11 @@ class KVCache(_LayerBase):
         **Raises:**
 
         [`eqx_state.StateWriteError`][] when the write would pass `max_len` and the
-        cursor is concrete; under `jit`, see the class docstring.
+        cursor is concrete (under `jit`, see the class docstring); and for a
+        second append inside one differentiated call (`jax.grad` of a loss, a
+        step) without a `reset()` between: the returned keys and values carry the
+        gradient of this chunk's, but the cache's earlier entries are state, read
+        without one.
         """
         if self.cursor.value.ndim:
             raise StateValueError(
