@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import math
 import warnings
-import weakref
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
@@ -725,24 +724,22 @@ class Owned:
     goes through `Compiled.call_flat`, as every other call does, and reads its
     arguments.
 
-    What the caller can still change in the carry it handed over are the entries
-    of its lists and dicts (`_settings`). Each call reads those, as a step call
-    reads its whole carry: a number set in place since the last call (the
-    `hyperparams` of an `optax.inject_hyperparams` state, a float in a list of
-    the model) is taken into the owned leaves; any other entry replaced (a layer
-    of a list) is refused, naming `release()`. Everything else was handed over
+    What the caller can still change in the carry it handed over are the numbers
+    its lists and dicts hold (`_settings`: the `hyperparams` of an
+    `optax.inject_hyperparams` state, a float in a list of the model). Each call
+    reads those, as a step call reads its whole carry: a number set in place since
+    the last call is taken into the owned leaves. Everything else was handed over
     (the donated arrays are consumed by the first call, so a stale use raises);
-    only the lists and dicts are kept, and weak references to their other
-    entries, so that nothing else of the given carry stays alive (with
-    `donate=False` its arrays are not consumed)."""
+    only the containers that hold numbers are kept, so that nothing else of the
+    given carry stays alive (with `donate=False` its arrays are not consumed)."""
 
     def __init__(self, compiled: Compiled, carry: tuple):
         self._compiled = compiled
         self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
         self._released = False
-        self._settings, depths = _settings(carry)
+        self._settings = _settings(carry)
         self._names = (
-            _leaf_names((carry, (), {}), [s[3] for s in self._settings], depths)
+            _leaf_names((carry, (), {}), [s[3] for s in self._settings])
             if self._settings
             else []
         )
@@ -757,25 +754,21 @@ class Owned:
                 now = node[key]
             except (KeyError, IndexError):
                 now = _GONE
-            watched = isinstance(was, _Watch)
-            same = was.holds(now) if watched else now is was
-            if same and len(node) == size:
+            if now is was and len(node) == size:
                 continue
-            if watched or now is _GONE or len(node) != size or not _is_one_leaf(now):
+            if now is _GONE or len(node) != size or not _is_one_leaf(now):
                 what = (
                     "removed"
                     if now is _GONE
-                    else "replaced"
-                    if watched and not same
                     else f"set to a {type(now).__name__}"
-                    if not same
+                    if now is not was
                     else f"left in a {type(node).__name__} whose entries were "
                     "added or removed"
                 )
                 message = (
                     f"{self._names[n]} of the carry `step.own` took over was {what} "
                     "while the loop owns it: the loop takes a number set in place "
-                    "(a hyperparameter), not a change of structure or a new layer."
+                    "(a hyperparameter), not a change of structure."
                 )
                 if releasing:
                     warnings.warn(
@@ -832,13 +825,10 @@ def _is_one_leaf(x: Any) -> bool:
     return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
-def _settings(tree: Any) -> tuple[list[tuple[Any, Any, Any, int, int]], list[int]]:
-    """The entries of the dicts and lists of `tree` that hold leaves, each as
-    `(container, key, value, index of its first leaf in tree_leaves(tree),
-    len(container))`, `value` a number (a setting) or a `_Watch` of the entry; and
-    for each, the depth of its first leaf below it."""
+def _settings(tree: Any) -> list[tuple[Any, Any, Any, int, int]]:
+    """The numbers the dicts and lists of `tree` hold, each as `(container, key,
+    value, index of the leaf in tree_leaves(tree), len(container))`."""
     out: list[tuple[Any, Any, Any, int, int]] = []
-    depths: list[int] = []
 
     def visit(x: Any, start: int) -> int:  # -> the number of leaves of `x`
         children = jax.tree_util.tree_flatten_with_path(
@@ -848,70 +838,17 @@ def _settings(tree: Any) -> tuple[list[tuple[Any, Any, Any, int, int]], list[int
             return 1  # a leaf
         n = 0
         for path, child in children:
-            size = visit(child, start + n)
-            if isinstance(x, dict | list) and (size or _is_number(child)):
+            if isinstance(x, dict | list) and _is_number(child):
                 key = getattr(path[0], "key", getattr(path[0], "idx", None))
-                if _is_number(child):
-                    was, depth = child, 0
-                else:
-                    was = _Watch(child)
-                    depth = len(jax.tree_util.tree_flatten_with_path(child)[0][0][0])
-                out.append((x, key, was, start + n, len(x)))
-                depths.append(depth)
-            n += size
+                out.append((x, key, child, start + n, len(x)))
+            n += visit(child, start + n)
         return n
 
     visit(tree, 0)
-    return out, depths
+    return out
 
 
 _GONE = object()
-
-
-class _Watch:
-    """Which object an entry of a list or dict of an owned carry held (a layer, an
-    array, a subtree), without keeping it alive: a weak reference to it; for one
-    that takes none (a tuple), the same of each of its children. A list or dict is
-    held as it is (the loop keeps those anyway, to read their entries), so a number
-    set in place inside it is a setting, not a replacement."""
-
-    __slots__ = ("_token",)
-
-    def __init__(self, x: Any):
-        self._token = _token(x)
-
-    def holds(self, x: Any) -> bool:
-        return x is not _GONE and _same(self._token, x)
-
-
-def _token(x: Any) -> Any:
-    if isinstance(x, dict | list):
-        return (_STRONG, x)
-    try:
-        return weakref.ref(x)
-    except TypeError:
-        pass
-    children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
-    if len(children) == 1 and children[0] is x:  # a leaf: a number, a string
-        return (_STRONG, x)
-    return (_CHILDREN, type(x), [_token(c) for c in children])
-
-
-def _same(token: Any, x: Any) -> bool:
-    if isinstance(token, weakref.ref):
-        return token() is x
-    if token[0] is _STRONG:
-        return token[1] is x
-    _, kind, tokens = token
-    if type(x) is not kind:
-        return False
-    children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
-    return len(children) == len(tokens) and all(
-        _same(t, c) for t, c in zip(tokens, children, strict=True)
-    )
-
-
-_STRONG, _CHILDREN = object(), object()
 
 
 def _is_committed(x: Any) -> bool:
@@ -979,21 +916,15 @@ def _leaf_path(carry: tuple, i: int) -> str:
 _ARGS = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(1))
 
 
-def _leaf_names(
-    tree: tuple, positions: list[int], up: list[int] | None = None
-) -> list[str]:
+def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
     """Readable names of some leaves of `(carry, args, kwargs)`: `opt_state...`,
-    `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments.
-    With `up`, each name stops that many keys short of its leaf (the subtree that
-    holds it)."""
+    `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     carry = tree[0]
     roots = ["model", "opt_state"] if len(carry) == 2 else ["model"]
     names = []
-    for n, j in enumerate(positions):
+    for j in positions:
         path = flat[j][0]
-        if up is not None and up[n]:
-            path = path[: -up[n]]
         if path[0].idx == 0:  # type: ignore[attr-defined]
             head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"  # type: ignore[attr-defined]
             names.append(f"`{head}{jax.tree_util.keystr(path[2:])}`")

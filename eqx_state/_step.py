@@ -295,9 +295,10 @@ class Step:
         in place, as between step calls: an optimizer hyperparameter
         (`opt_state.hyperparams['learning_rate'] = ...` with
         `optax.inject_hyperparams`) is read by the next step, as a step call reads
-        it. Any other entry of a list or dict replaced (a layer, an array), added
-        or removed raises a `StepError` at the next step: to change the model,
-        `release()`, change, and `own` again.
+        it. An entry added to or removed from a list or dict that holds a number
+        raises at the next step. Other changes are not read (a layer or an array
+        replaced, an entry of a container that holds no number): to change the
+        model, `release()`, change, and `own` again.
 
         **Example:**
 
