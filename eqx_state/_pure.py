@@ -226,9 +226,13 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
             "The optimizer state does not match the parameters this step trains: it "
             "was made for another model, another optimizer, or another `trainable` "
             f"selection ({_first_difference(made, opt_state)}). Make it with this "
-            "step's `step.init(model)` (an array added to the model since is a "
-            "parameter: a value meant to stay fixed belongs in a state cell, "
-            "`es.Buffer`, or a static field)."
+            "step's `step.init(model)` (an array added to the model since it was "
+            "made is a parameter: a value meant to stay fixed belongs in a state "
+            "cell, `es.Buffer`, or a static field). If `step.init(model)` made it "
+            "for this very model, the `trainable` predicate selects differently "
+            "at `init` (concrete arrays) and inside the step (traced ones): it "
+            "must depend only on a leaf's place, shape or dtype, not on its values "
+            "or `id()`."
         )
     # the same structure with arrays of other shapes (a model of another size
     # whose sizes are not static fields): optax's update fails on a bare
@@ -247,7 +251,7 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
 
 def _first_difference(made: Any, got: Any) -> str:
     """Where the optimizer state `got` first differs in structure from `made`, the
-    state `step.init(model)` makes, by path."""
+    state for the parameters this step trains, by path."""
     entries = [
         [
             (jax.tree_util.keystr(path), x is None)
@@ -260,20 +264,20 @@ def _first_difference(made: Any, got: Any) -> str:
     for (a, a_none), (b, b_none) in zip(*entries):
         if a == b and a_none != b_none:
             return f"at `opt_state{a}` it holds " + (
-                "nothing, where `step.init(model)` holds a leaf"
+                "nothing, where the state for what this step trains holds a leaf"
                 if b_none
-                else "a leaf, where `step.init(model)` holds nothing"
+                else "a leaf, where the state for what this step trains holds nothing"
             )
         if a != b:
             return (
-                f"the first difference: `opt_state{b}`, where `step.init(model)` "
-                f"has `opt_state{a}`"
+                f"the first difference: `opt_state{b}`, where the state for what "
+                f"this step trains has `opt_state{a}`"
             )
     a, b = ([path for path, _ in e] for e in entries)
     if len(a) > len(b):
-        return f"it lacks `opt_state{a[len(b)]}`, which `step.init(model)` has"
+        return f"it lacks `opt_state{a[len(b)]}`, which the state for what this step trains has"
     if len(b) > len(a):
-        return f"it has `opt_state{b[len(a)]}`, which `step.init(model)` has not"
+        return f"it has `opt_state{b[len(a)]}`, which the state for what this step trains has not"
     return "its leaves are at the same paths, in nodes of other types"
 
 

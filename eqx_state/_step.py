@@ -237,12 +237,13 @@ class Step:
         result is what `K` calls of the step would give — every state write lands
         once per step, in both modes — in one `jax.jit` call that runs the steps in
         a `lax.scan`, carrying the model and the optimizer state in place. It
-        compiles once per `K` and donates like a step. In float32 and float64 the
-        numbers are those of `K` calls, bit for bit; with bfloat16 or float16
-        arithmetic XLA may round a loop body's intermediates differently from
-        separate calls (a hand-written `lax.scan` gives the scan's numbers), so
-        results, and the float32 values computed from them, can differ in their
-        last bits.
+        compiles once per `K` and donates like a step. For dense models in
+        float32 and float64 the numbers are those of `K` calls, bit for bit. XLA
+        may compile a loop body differently from a separate call, as it does a
+        hand-written `lax.scan` (whose numbers the scan gives): convolutions, and
+        any bfloat16 or float16 arithmetic, can then round differently, so results
+        can differ in their last bits (which Adam magnifies on a parameter whose
+        gradient is nearly zero, e.g. the bias of a convolution before BatchNorm).
 
         **Arguments:**
 

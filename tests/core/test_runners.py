@@ -672,10 +672,16 @@ def test_an_optimizer_state_of_another_structure_is_named_alike_by_every_runner(
     with pytest.raises(
         es.StepError,
         match=r"at `opt_state\[0\]\.mu\.lin1\.layer\.bias` it holds nothing, "
-        r"where `step\.init\(model\)` holds a leaf",
+        r"where the state for what this step trains holds a leaf",
     ):
         first_call(runner, step, model, matrices.init(model), xs, ys)
     assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+    # a predicate that answers by identity selects differently at `init` and in
+    # the traced step: the message said to do what had been done
+    ids = {id(model.bn.weight), id(model.bn.bias)}
+    by_id = es.make_step(loss_fn, optax.adam(1e-2), trainable=lambda p: id(p) in ids)
+    with pytest.raises(es.StepError, match=r"selects differently at `init`.*`id\(\)`"):
+        first_call(runner, by_id, model, by_id.init(model), xs, ys)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
