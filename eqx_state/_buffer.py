@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed
+from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed, under_trace
 from ._errors import (
     StaleModelError,
     StateError,
@@ -175,7 +175,9 @@ class Buffer(eqx.Module):
         try:
             return v[idx]
         except jax.errors.UnexpectedTracerError as e:
-            raise StateError(leaked_message(describe(self), v)) from e
+            if _escaped(v):  # not a leaked index: JAX's error names that
+                raise StateError(leaked_message(describe(self), v)) from e
+            raise
 
     def __setitem__(self, idx: Any, new: Any) -> None:
         _write(self, idx, new)
@@ -379,7 +381,9 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
     try:
         cell[idx] = jax.lax.stop_gradient(new)
     except jax.errors.UnexpectedTracerError as e:
-        raise StateError(leaked_message(describe(buf), cell)) from e
+        if _escaped(cell):  # not a leaked value: JAX's error names that
+            raise StateError(leaked_message(describe(buf), cell)) from e
+        raise
     except Exception as e:
         # JAX refuses any write into a ref that an enclosing `vmap` does not batch
         # (even of an unbatched value) with a bare `Exception`; recognise the case by
@@ -387,6 +391,12 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         if type(e) is Exception and not is_batched(cell):
             raise StateWriteError(unbatched_message(buf, e)) from e
         raise
+
+
+def _escaped(ref: Any) -> bool:
+    """Whether a cell's ref is a tracer used where no transformation traces it
+    (it escaped the one that made or mapped it)."""
+    return isinstance(ref, Tracer) and not under_trace()
 
 
 def leaked_message(what: str, ref: Any) -> str:
