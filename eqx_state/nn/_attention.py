@@ -190,6 +190,9 @@ class CausalSelfAttention(_LayerBase):
             layout = "khd"
         else:
             start, k, v = self.cache.append(k, v)
+            if self.cache.on_overflow == "nan":  # an overflowing chunk: NaN out
+                over = start + seq > self.cache.max_len
+                q = jnp.where(over, jnp.asarray(jnp.nan, q.dtype), q)
             query_pos = start + jnp.arange(seq, dtype=start.dtype)
             key_pos = jnp.arange(self.cache.max_len, dtype=start.dtype)
             mask = key_pos[None, :] <= query_pos[:, None]

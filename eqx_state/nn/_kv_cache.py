@@ -210,7 +210,9 @@ class KVCache(_LayerBase):
         of the first new entry) and the whole cache after it, of shape
         `[num_heads, max_len, head_dim]`. Positions `>= start + seq` hold stale or
         zero entries and must be masked out (see
-        [`eqx_state.nn.CausalSelfAttention`][]).
+        [`eqx_state.nn.CausalSelfAttention`][]). With `on_overflow="nan"`, an
+        overflowing write leaves NaN from `start` to `max_len` (and
+        `CausalSelfAttention` makes that chunk's outputs NaN).
 
         **Raises:**
 
@@ -266,28 +268,28 @@ class KVCache(_LayerBase):
             )
         _refuse_second_differentiated_append(self, keys, values)
         zero = jnp.zeros((), start.dtype)
+        marking = isinstance(start, Tracer) and self.on_overflow == "nan"
         full = []
         for cell, new in ((self.keys, keys), (self.values, values)):
             new = jnp.swapaxes(new, 0, 1).astype(cell.dtype)  # [heads, seq, head_dim]
             old = cell[...]
-            updated = jax.lax.dynamic_update_slice(old, new, (zero, start, zero))
-            attended = updated
-            if isinstance(start, Tracer) and self.on_overflow == "nan":
+            at = start
+            if marking:
                 # `dynamic_update_slice` clamps a write past the end to end at
-                # max_len, which would put the NaN over valid positions before the
-                # cursor: an overflowing write marks [start, max_len) only, and
-                # the chunk attends over NaN (its own keys have no place)
-                over = start + n > self.max_len
-                nan = jnp.asarray(jnp.nan, old.dtype)
-                pos = jnp.arange(self.max_len, dtype=start.dtype)[None, :, None]
-                updated = jnp.where(over, jnp.where(pos >= start, nan, old), updated)
-                attended = jnp.where(over, nan, attended)
+                # max_len, which would put the NaN (of an overflowing chunk) over
+                # valid positions before the cursor: write the clamped slab with
+                # those positions' old values, so that only [start, max_len) is
+                # marked (O(seq), not a pass over the whole cache)
+                at = jnp.minimum(start, jnp.asarray(self.max_len - n, start.dtype))
+                kept = jax.lax.dynamic_slice(old, (zero, at, zero), new.shape)
+                pos = at + jnp.arange(n, dtype=start.dtype)
+                new = jnp.where((pos < start)[None, :, None], kept, new)
+            updated = jax.lax.dynamic_update_slice(old, new, (zero, at, zero))
             cell[...] = updated
-            full.append(attended)
+            full.append(updated)
         self.cursor[...] = start + n
-        # What the chunk attends over: the values the cells now hold (NaN for an
-        # overflowing chunk), with the new keys and values keeping their gradient
-        # (a state write does not carry one)
+        # What the chunk attends over: the values the cells now hold, with the new
+        # keys and values keeping their gradient (a state write does not carry one)
         return start, full[0], full[1]
 
     def _appended_under(self, trace: Any) -> bool:
