@@ -82,7 +82,8 @@ def vmap(
     (reduce over `axis_name` first); otherwise the call fails at run time with an
     error rather than keeping one example's value. A metric updated per example
     needs the same `axis_name` to sum the examples: without it, its update is
-    refused (`StateWriteError`) when it sees per-example values.
+    refused (`StateWriteError`) when it sees per-example values (not inside an
+    inner `jax.checkpoint`, `jit` or `scan`: a known defect, see the misuse page).
 
     **Arguments:**
 

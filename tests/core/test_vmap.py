@@ -335,3 +335,25 @@ def test_a_write_under_vmap_inside_remat_or_scan_gets_the_writes_own_error(
                 lambda m, x: jnp.mean(forward(m, x) ** 2), optax.sgd(0.1)
             )
             step(bn, step.init(bn), x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: the refusal of a metric without axis_name updated per "
+    "example inside es.vmap sees es.vmap's own shadow refs only; an inner "
+    "jax.checkpoint re-wraps them, and the metric keeps one example's statistics",
+)
+def test_a_metric_updated_per_example_inside_remat_under_es_vmap_sums_or_is_refused():
+    """Reference: NumPy's sum over the whole batch."""
+    values = np.ones((8, 3), np.float32)
+    metric = es.to_refs(es.metrics.Sum())
+    update = es.vmap(
+        lambda m, x: jax.checkpoint(lambda x: m.update(x) or x)(x),
+        in_axes=(None, 0),
+        axis_name="b",
+    )
+    try:
+        update(metric, jnp.asarray(values))
+    except es.StateWriteError:
+        return
+    assert float(metric.compute()) == values.sum()
