@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._compat import REF_TYPES, Tracer, is_batched, ref_is_consumed, under_trace
+from ._compat import (
+    REF_TYPES,
+    Tracer,
+    is_batched,
+    is_escaped_ref_error,
+    ref_is_consumed,
+    under_trace,
+)
 from ._errors import (
     StaleModelError,
     StateError,
@@ -175,7 +182,7 @@ class Buffer(eqx.Module):
         try:
             return v[idx]
         except jax.errors.UnexpectedTracerError as e:
-            if _escaped(v):  # not a leaked index: JAX's error names that
+            if _escaped(v, e):  # not a leaked index: JAX's error names that
                 raise StateError(leaked_message(describe(self), v)) from e
             raise
 
@@ -381,7 +388,7 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
     try:
         cell[idx] = jax.lax.stop_gradient(new)
     except jax.errors.UnexpectedTracerError as e:
-        if _escaped(cell):  # not a leaked value: JAX's error names that
+        if _escaped(cell, e):  # not a leaked value: JAX's error names that
             raise StateError(leaked_message(describe(buf), cell)) from e
         raise
     except Exception as e:
@@ -393,10 +400,12 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
         raise
 
 
-def _escaped(ref: Any) -> bool:
-    """Whether a cell's ref is a tracer used where no transformation traces it
-    (it escaped the one that made or mapped it)."""
-    return isinstance(ref, Tracer) and not under_trace()
+def _escaped(ref: Any, e: Exception) -> bool:
+    """Whether JAX's `UnexpectedTracerError` `e` is about the cell's ref (a tracer
+    that escaped the transformation that made or mapped it), not about an index
+    or value given with it: a tracer used where no transformation traces, or
+    JAX's error names a ref."""
+    return isinstance(ref, Tracer) and (not under_trace() or is_escaped_ref_error(e))
 
 
 def leaked_message(what: str, ref: Any) -> str:

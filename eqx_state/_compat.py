@@ -127,6 +127,21 @@ def differentiation_trace(x: Any) -> Any:
     return None
 
 
+def unbatched(x: Any) -> Any:
+    """The value a `vmap`'s batch tracers wrap (`.val`, through nested ones): the
+    same ref under every `jax.vmap` call that maps it."""
+    while is_batched(x):
+        x = x.val
+    return x
+
+
+def is_escaped_ref_error(e: BaseException) -> bool:
+    """Whether `e` is JAX's `UnexpectedTracerError` for a ref (not an array) that
+    escaped the transformation that made it; only its text tells which value it
+    is about ("... with type Ref{float32[3]} ...")."""
+    return isinstance(e, jax.errors.UnexpectedTracerError) and "type Ref{" in str(e)
+
+
 def batched_identity(x: Any) -> Any:
     """What `id(x)` is for aliasing, for a value `vmap` maps: the identity of the
     array a batch tracer wraps (`.val`) with its batch axis (`.batch_dim`), so that

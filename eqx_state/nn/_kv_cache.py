@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase
-from .._compat import Tracer, differentiation_trace
+from .._compat import Tracer, differentiation_trace, unbatched
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -211,8 +211,12 @@ class KVCache(_LayerBase):
         `[num_heads, max_len, head_dim]`. Positions `>= start + seq` hold stale or
         zero entries and must be masked out (see
         [`eqx_state.nn.CausalSelfAttention`][]). With `on_overflow="nan"`, an
-        overflowing write leaves NaN from `start` to `max_len` (and
-        `CausalSelfAttention` makes that chunk's outputs NaN).
+        overflowing write leaves NaN from `start` to `max_len`, in the cache and
+        in the returned arrays, and nothing else: a write that starts at or past
+        `max_len` returns no NaN. Code of your own over these arrays tells an
+        overflow by `start + seq > max_len`; `CausalSelfAttention` makes that
+        chunk's queries, and so its outputs, NaN. (Making the returned arrays
+        NaN as well would cost a pass over the whole cache at every write.)
 
         **Raises:**
 
@@ -296,7 +300,7 @@ class KVCache(_LayerBase):
         """Whether this cache was appended to before under the differentiation
         `trace` (and note that it now is)."""
         seen = _DIFFERENTIATED.setdefault(trace, [])
-        ref = self.keys.value
+        ref = unbatched(self.keys.value)  # the same under each `vmap` call
         if any(r is ref for r in seen):
             return True
         seen.append(ref)
@@ -307,7 +311,7 @@ class KVCache(_LayerBase):
         cursor to 0 (state writes; the same as `es.reset(cache, es.Cache)`)."""
         for cell in (self.keys, self.values, self.cursor):
             cell[...] = jnp.zeros(cell.shape, cell.dtype)
-        ref = self.keys.value  # nothing of an earlier chunk is attended over now
+        ref = unbatched(self.keys.value)  # nothing earlier is attended over now
         for seen in list(_DIFFERENTIATED.values()):
             seen[:] = [r for r in seen if r is not ref]
 

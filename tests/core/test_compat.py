@@ -167,6 +167,27 @@ def test_differentiation_trace_sees_grad_jvp_and_linearize_through_vmap():
     }, "JAX's differentiation tracers changed: update _compat.differentiation_trace"
 
 
+def test_unbatched_finds_the_ref_every_vmap_call_maps():
+    ref = jax.new_ref(jnp.zeros((2, 3)))
+    seen = []
+    for _ in range(2):
+        jax.vmap(lambda r: seen.append(_compat.unbatched(r)) or 0)(ref)
+    assert seen[0] is ref and seen[1] is ref, "JAX's batch tracers changed"
+
+
+def test_is_escaped_ref_error_tells_a_ref_from_an_array():
+    kept = []
+    jax.jit(lambda x: kept.append((jax.new_ref(x), x)) or x)(jnp.ones(2))
+    ref, array = kept[0]
+    errors = []
+    for value in (ref, array):
+        try:
+            value[...] if value is ref else value + 1
+        except jax.errors.UnexpectedTracerError as e:
+            errors.append(_compat.is_escaped_ref_error(e))
+    assert errors == [True, False], "JAX's escaped-tracer message changed"
+
+
 def test_ref_is_consumed_reads_a_deleted_buffer():
     r = jax.new_ref(jnp.ones(3))
     assert not _compat.ref_is_consumed(r)

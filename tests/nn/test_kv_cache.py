@@ -918,6 +918,16 @@ def test_a_second_chunk_in_one_differentiated_call_is_refused(attn, x):
     ref = es.to_refs(cached)
     with pytest.raises(es.StateWriteError, match=r"second chunk"):
         eqx.filter_grad(two_chunks)(ref, x)
+    # each chunk through its own `jax.vmap` over a batch of caches (the batch
+    # decode form): every call wraps the refs anew, and it was not refused
+    batch = es.to_refs(es.nn.with_kv_cache(attn, max_len=10, batch_size=2))
+    mapped = jax.vmap(_feed, in_axes=(es.nn.kv_cache_axes(batch), 0))
+
+    def two_mapped_chunks(m, xs):
+        return jnp.sum(mapped(m, xs[:, :4]) ** 2) + jnp.sum(mapped(m, xs[:, 4:]) ** 2)
+
+    with pytest.raises(es.StateWriteError, match=r"second chunk"):
+        eqx.filter_grad(two_mapped_chunks)(batch, jnp.stack([x, x]))
 
     # two sequences in one loss, the cache reset between them: each chunk attends
     # over its own keys only, which carry their gradient (reference: PyTorch)
