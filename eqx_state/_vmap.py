@@ -34,7 +34,13 @@ def varies_per_example(cell: Any, value: Any) -> bool:
     examples of an `es.vmap` whose examples share `cell` (`cell` is one of its
     batched shadows and `value` is mapped by that `vmap`). Reduced values (`psum`
     over the axis) and values common to every example are not."""
-    return any(cell is s for s in _SHADOWS.get()) and mapped_by_same_vmap(value, cell)
+    shadows = _SHADOWS.get()
+    while True:  # the shadows of nested `es.vmap`s wrap the outer ones' copies
+        if any(cell is s for s in shadows) and mapped_by_same_vmap(value, cell):
+            return True
+        if not is_batched(cell):
+            return False
+        cell = cell.val
 
 
 def _explicit_split(args: tuple, axes: tuple) -> Any:
@@ -194,7 +200,16 @@ def vmap(
             call_args = [
                 u if ax is None else a for u, a, ax in zip(unmapped, mapped_args, axes)
             ]
-            token = _SHADOWS.set((*_SHADOWS.get(), *shadow_refs))
+            # the shadows as this map's examples see them and, for a cell that is
+            # itself an enclosing `es.vmap`'s shadow, as made (a copy per outer
+            # example, which the outer examples share as they share the cell)
+            outer = _SHADOWS.get()
+            copies = [
+                sh
+                for sh, c in zip(shadows, cells, strict=True)
+                if any(c is s for s in outer)
+            ]
+            token = _SHADOWS.set((*outer, *copies, *shadow_refs))
             try:
                 return f(*call_args)
             finally:

@@ -554,21 +554,24 @@ def _unbound_axis_message(metric: str, axis: Hashable, what: str) -> str:
 def _refuse_per_example(
     name: str, cells: dict[str, Statistic], stats: dict[str, Array]
 ) -> None:
-    """Refuse an update, by a metric without `axis_name`, with values that differ
-    between the examples of an `es.vmap` that shares the metric's cells: each
+    """Refuse an update with values (reduced over the metric's `axis_name`, if
+    any) that differ between the examples of an `es.vmap` that shares the
+    metric's cells: each
     example would merge its own statistics into the one cell, which keeps one
     (examples that agree would be counted once instead of summed)."""
     for k, cell in cells.items():
         if any(varies_per_example(cell.value, v) for v in stats.values()):
-            axis = (mapped_axes() or (None,))[-1]
+            axes = mapped_axes() or (None,)
+            axis = axes[-1] if len(axes) == 1 else tuple(axes)
             raise StateWriteError(
                 f"{name}.update got per-example values inside `eqx_state.vmap` "
-                f"(the {describe(cell)}, statistic {k!r}), but the metric has no "
-                "`axis_name`, so the examples' statistics would not be summed: the "
-                "examples share one cell, which would keep one example's statistics. "
-                f"Build the metric with the es.vmap's axis name, `{name}(..., "
-                f"axis_name={axis!r})`, so that each update sums the examples, or "
-                "update it outside the `es.vmap`, on the whole batch."
+                f"(the {describe(cell)}, statistic {k!r}), but the metric does not "
+                "reduce over the es.vmap's axis, so the examples' statistics would "
+                "not be summed: the examples share one cell, which would keep one "
+                "example's statistics. Build the metric with the axis name of every "
+                f"es.vmap it is updated under, `{name}(..., axis_name={axis!r})`, so "
+                "that each update sums the examples, or update it outside the "
+                "`es.vmap`, on the whole batch."
             )
 
 
@@ -819,8 +822,7 @@ class Metric(_LayerBase):
             stats[k] = v.astype(cell.dtype)
         if self.axis_name is not None:
             stats = self._reduce_over(stats, self.axis_name, "update")
-        else:
-            _refuse_per_example(name, cells, stats)
+        _refuse_per_example(name, cells, stats)
         current = {k: cell[...] for k, cell in cells.items()}
         for k in cells:
             extra = _varying_axes(stats[k]) - _varying_axes(current[k])

@@ -193,6 +193,31 @@ def test_a_metric_without_axis_name_updated_per_example_under_es_vmap_is_refused
     np.testing.assert_allclose(float(fixed.compute()), rows.sum(), rtol=1e-6)
 
 
+def test_a_metric_under_nested_es_vmaps_sums_every_axis_or_is_refused():
+    """Nested `es.vmap`s ('o' around 'i'): a metric reducing over 'i' only (or
+    'o' only) kept one outer example's sums (12 or 6 where NumPy gives 24);
+    refused now, and over both axes it sums them all. An ensemble (`jax.vmap`)
+    around one `es.vmap` keeps a metric per member. Reference: NumPy."""
+    xx = np.arange(24, dtype=np.float32).reshape(2, 4, 3)
+
+    def nested(axis):
+        metric = es.to_refs(es.metrics.Sum(axis_name=axis))
+        inner = es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="i")
+        es.vmap(inner, in_axes=(None, 0), axis_name="o")(metric, jnp.asarray(xx))
+        return float(metric.compute())
+
+    for axis in ("i", "o"):
+        with pytest.raises(es.StateWriteError, match=r"axis_name=\('o', 'i'\)"):
+            nested(axis)
+    assert nested(("o", "i")) == xx.sum()
+    members = eqx.filter_vmap(lambda _: es.metrics.Sum(axis_name="i"))(jnp.arange(2))
+    update = es.vmap(lambda m, x: m.update(x), in_axes=(None, 0), axis_name="i")
+    _, members = es.apply(
+        lambda m, xx: jax.vmap(update)(m, xx), members, jnp.asarray(xx)
+    )
+    np.testing.assert_array_equal(members.total[...], xx.sum(axis=(1, 2)))
+
+
 def test_a_record_without_axis_name_under_es_vmap_is_refused_and_with_it_equals_numpy():
     """Record's statistics are metrics: the same rule holds (they undercounted)."""
     x = jax.random.normal(jax.random.key(2), (6, 5))
