@@ -219,3 +219,33 @@ def equinox_runtime_error(e: BaseException) -> BaseException | None:
         return None
     msg, _ = info
     return cls(msg)
+
+
+# -- Equinox's filtered transformations --------------------------------------------
+
+
+def jit_body(fn: Any) -> Any:
+    """The function an `eqx.filter_jit` wrapper compiles (`fn` itself if it is not
+    one), for a call that is already inside a compiled program: there the wrapper
+    would only trace `fn` again as a nested call of the same computation (JAX
+    inlines it; Equinox's `donate` options do not apply inside a jit). A loss
+    decorated with `@eqx.filter_jit` is one, and its wrapper cannot take a model
+    whose cells are refs made by the trace (see `is_ref_in_filtered_transform`)."""
+    try:
+        from equinox._jit import _JitWrapper
+    except ImportError:  # pragma: no cover - depends on the Equinox version
+        return fn
+    return fn.__wrapped__ if isinstance(fn, _JitWrapper) else fn
+
+
+def is_ref_in_filtered_transform(e: BaseException) -> bool:
+    """Whether `e` is what JAX raises when `eqx.filter_jit` or
+    `eqx.filter_closure_convert` is given a ref made by a trace: Equinox's filters
+    treat a ref as a static (hashed, not traced) leaf. Only the texts of JAX's
+    errors tell them apart."""
+    text = str(e)
+    if isinstance(e, ValueError):
+        return "Non-hashable static arguments" in text and "Ref{" in text
+    if isinstance(e, AttributeError):
+        return "'AbstractRef' object has no attribute" in text
+    return False

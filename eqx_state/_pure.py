@@ -19,8 +19,13 @@ import numpy as np
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_message
-from ._compat import is_unmapped_ref_write
-from ._errors import StateValueError, StateWriteError, StepError
+from ._compat import is_ref_in_filtered_transform, is_unmapped_ref_write
+from ._errors import (
+    FILTERED_TRANSFORM_MESSAGE,
+    StateValueError,
+    StateWriteError,
+    StepError,
+)
 from ._modes import (
     argument_name,
     check_tree_live,
@@ -142,7 +147,9 @@ def _cond_note() -> Iterator[None]:
     hidden). A write into a cell that a `vmap` does not map is refused at the write
     (`_buffer._write`), except inside a `jax.checkpoint` or `lax.scan` under the
     `vmap`: their batching rule meets it afterwards, with a bare `Exception`, which
-    becomes the write's own error."""
+    becomes the write's own error. One of Equinox's filtered transformations given
+    the model (its cells are refs of the trace, which Equinox hashes as static
+    leaves) fails with JAX's bare error, which becomes a `StepError` with the fix."""
     try:
         yield
     except NotImplementedError as e:
@@ -161,6 +168,8 @@ def _cond_note() -> Iterator[None]:
     except Exception as e:
         if is_unmapped_ref_write(e):
             raise StateWriteError(unbatched_message("state cell", e)) from e
+        if is_ref_in_filtered_transform(e):
+            raise StepError(FILTERED_TRANSFORM_MESSAGE) from e
         raise
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from ._buffer import is_state
+from ._compat import jit_body
 from ._dispatch import (
     Compiled,
     Owned,
@@ -117,7 +118,7 @@ class Step:
             object.__setattr__(self, name, value)
         fn = functools.partial(
             train_step,
-            loss_fn=loss_fn,
+            loss_fn=jit_body(loss_fn),  # compiled: an `eqx.filter_jit`'s body
             optimizer=optimizer,
             has_aux=has_aux,
             trainable=trainable,
@@ -431,8 +432,10 @@ class Apply:
         check_options("make_apply", fn, jit_kwargs, scan_unroll, donate=donate)
         self.fn = fn
 
+        body = jit_body(fn)  # compiled: an `eqx.filter_jit`'s body
+
         def pure(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
-            out, model = apply_call(fn, carry[0], args, kwargs)
+            out, model = apply_call(body, carry[0], args, kwargs)
             return (model,), out
 
         def scan_fn(carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:

@@ -252,3 +252,38 @@ def test_under_trace_tells_an_outer_transformation_from_eager_code():
     jax.lax.fori_loop(0, 2, lambda i, c: probe(c), 0.0)
     assert seen == [True] * 4
     assert not _compat.under_trace()
+
+
+def test_jit_body_is_the_function_filter_jit_wraps():
+    def f(x):
+        return x + 1
+
+    assert _compat.jit_body(eqx.filter_jit(f)) is f
+    assert _compat.jit_body(f) is f
+    wrapped = jax.jit(f)
+    assert _compat.jit_body(wrapped) is wrapped
+
+
+def test_is_ref_in_filtered_transform_recognises_jaxs_errors():
+    seen = []
+
+    @jax.jit
+    def run(x):
+        ref = jax.new_ref(x)
+        for transform in (eqx.filter_jit, eqx.filter_closure_convert):
+            try:
+                if transform is eqx.filter_jit:
+                    eqx.filter_jit(lambda r: r[...])(ref)
+                else:
+                    eqx.filter_closure_convert(lambda r: r[...], ref)(ref)
+            except Exception as e:  # noqa: BLE001 -- whatever JAX raises
+                seen.append(e)
+        return x
+
+    run(jnp.ones(3))
+    assert len(seen) == 2
+    assert all(_compat.is_ref_in_filtered_transform(e) for e in seen)
+    assert not _compat.is_ref_in_filtered_transform(
+        ValueError("Non-hashable static arguments are not supported: a list")
+    )
+    assert not _compat.is_ref_in_filtered_transform(AttributeError("no attribute"))

@@ -68,11 +68,11 @@ def arrays(tree):
     ]
 
 
-def run(runner, mode, optimizer=None, make_opt_state=None):
+def run(runner, mode, optimizer=None, make_opt_state=None, loss=loss_fn):
     model = Net(jax.random.key(0))
     if mode == "ref":
         model = es.to_refs(model)
-    step = es.make_step(loss_fn, optimizer or optax.adam(1e-2), return_loss=True)
+    step = es.make_step(loss, optimizer or optax.adam(1e-2), return_loss=True)
     opt_state = (
         step.init(model) if make_opt_state is None else make_opt_state(step, model)
     )
@@ -493,6 +493,68 @@ def test_a_cell_in_an_apply_output_is_refused_alike(mode):
         model = es.to_refs(model) if mode == "ref" else model
         with pytest.raises(es.StepError, match=r"holds a state cell"):
             call(model, data()[0][0])
+
+
+@eqx.filter_jit
+def _jitted_loss(model, x, y):
+    return loss_fn(model, x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_loss_decorated_with_filter_jit_trains_as_the_plain_loss(
+    results, runner, mode
+):
+    """`@eqx.filter_jit` on the loss (an Equinox habit) changes nothing: inside
+    the compiled step its body is traced directly. Its wrapper, given the model
+    whose cells are refs of the step's trace, raised JAX's "Non-hashable static
+    arguments are not supported"."""
+    model, opt_state, losses = run(runner, mode, loss=_jitted_loss)
+    ref_model, ref_opt, ref_losses = results[(runner, mode)]
+    assert np.array_equal(losses, ref_losses)
+    for a, b in zip(arrays(model), arrays(ref_model), strict=True):
+        assert np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(ref_opt), strict=True):
+        assert np.array_equal(a, b)
+
+
+def _inner_jit_given_the_model(model, x, y):
+    return eqx.filter_jit(loss_fn)(model, x, y)
+
+
+def _inner_jit_closing_over_the_model(model, x, y):
+    return eqx.filter_jit(lambda x, y: loss_fn(model, x, y))(x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", [*RUNNERS, "make_apply", "make_apply.scan"])
+def test_an_inner_filter_jit_given_the_model_is_refused_with_the_fix(runner, mode):
+    """Inside a compiled call the cells are refs of its trace, which Equinox's
+    filters hash as static leaves: every compiled runner names the fix (close
+    over the model) instead of JAX's bare `ValueError`; closing over works."""
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    xs, ys = data()
+    if runner.startswith("make_apply"):
+        apply = es.make_apply(_inner_jit_given_the_model)
+        call = apply if runner == "make_apply" else apply.scan
+        args = (xs[0], ys[0]) if runner == "make_apply" else (xs, ys)
+        with pytest.raises(es.StepError, match=r"close over it") as info:
+            call(model, *args)
+    else:
+        step = es.make_step(_inner_jit_given_the_model, optax.sgd(0.1))
+        with pytest.raises(es.StepError, match=r"close over it") as info:
+            first_call(runner, step, model, step.init(model), xs, ys)
+    assert "Non-hashable static arguments" in str(info.value.__cause__)
+    if runner == "step":  # the fix: the same numbers as the loss itself
+        out = []
+        for loss in (_inner_jit_closing_over_the_model, loss_fn):
+            model = Net(jax.random.key(0))
+            model = es.to_refs(model) if mode == "ref" else model
+            step = es.make_step(loss, optax.sgd(0.1), return_loss=True)
+            out.append(step(model, step.init(model), xs[0], ys[0]))
+        for a, b in zip(arrays(out[0]), arrays(out[1]), strict=True):
+            assert np.array_equal(a, b)
 
 
 def test_the_optimizer_of_a_step_is_read_only():
