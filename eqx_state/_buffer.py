@@ -475,9 +475,10 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
     write; a ref would land it in another slot); a float a `StateTypeError`, and
     in a cell that holds a ref (ref mode, or any write) a boolean or `None`,
     which a ref does not take (a value-mode read takes them, as `jnp` does).
-    Integer arrays that are traced are checked for their shape only. `None` when the index holds parts NumPy cannot
-    stand in for (a traced slice bound, another indexer type): JAX then has the
-    last word."""
+    Integer arrays that are traced are checked for their shape only; any other
+    part (a list, a string) is a `StateTypeError`. `None` when the index holds a
+    part NumPy cannot stand in for (a traced slice bound): JAX then has the last
+    word."""
     shape = tuple(buf.value.shape)
     if not all(isinstance(d, int) for d in shape):
         return None  # a symbolic shape (`jax.export`): JAX checks the index
@@ -507,6 +508,11 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
         elif isinstance(p, slice):
             if any(isinstance(b, Tracer) for b in (p.start, p.stop, p.step)):
                 return None
+            if not all(b is None or is_whole(b) for b in (p.start, p.stop, p.step)):
+                raise StateTypeError(
+                    f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
+                    "a slice's bounds are integers or None."
+                )
             probe.append(p)
         elif isinstance(p, float | complex) or (
             hasattr(p, "dtype") and not jnp.issubdtype(p.dtype, jnp.integer)  # pyright: ignore
@@ -530,7 +536,18 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                 else np.asarray(p)
             )
         else:
-            return None
+            # a list is an index array to NumPy, which `jnp` and a ref refuse
+            raise StateTypeError(
+                f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
+                "indices are integers, slices, `...` or integer arrays (got "
+                f"{type(p).__name__}"
+                + (
+                    "; for several positions pass an array, "
+                    "`cell[jnp.asarray([0, 1])]`)."
+                    if isinstance(p, list | range)
+                    else ")."
+                )
+            )
     # a view of the cell's shape that holds no memory
     view = np.broadcast_to(np.zeros((), np.bool_), shape)
     try:

@@ -253,16 +253,17 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     def one(path: str, buf: Buffer) -> Buffer:
         check_live(buf.value, describe(buf))
         v = buf.value
+        where = f"`{path}`" if path else "the root"  # the model is the cell itself
         if _is_ref(v):
             record.append(buf)
-            paths[id(v)] = f"`{path}` (ref mode)"
+            paths[id(v)] = f"{where} (ref mode)"
             return buf
         record.append(Made(buf.witness))
         ref = jax.new_ref(v, kind=REF_KIND)
         # refs are mutable objects: identity names them; a cell that comes with a
         # witness is a ref-mode cell run as a value-mode one (see above)
         mode = "value" if buf.witness is None else "ref"
-        paths[id(ref)] = f"`{path}` ({mode} mode)"
+        paths[id(ref)] = f"{where} ({mode} mode)"
         return _rebuild(buf, value=ref, witness=_witness(v))
 
     thawed = _map_cells_with_path(one, model)

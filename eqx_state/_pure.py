@@ -22,6 +22,7 @@ from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_messag
 from ._compat import is_ref_in_filtered_transform, is_unmapped_ref_write
 from ._errors import (
     FILTERED_TRANSFORM_MESSAGE,
+    StateTypeError,
     StateValueError,
     StateWriteError,
     StepError,
@@ -197,7 +198,10 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
     elif _is_predicate(trainable):
         return jax.tree_util.tree_unflatten(
             treedef,
-            [not is_state(n) and _is_param(n) and bool(trainable(n)) for n in nodes],
+            [
+                not is_state(n) and _is_param(n) and _selects(trainable, n)
+                for n in nodes
+            ],
         )
     else:
         marker = _Unselected()
@@ -223,6 +227,29 @@ def trainable_mask(model: Any, trainable: Any) -> Any:
             chosen = True if flags is None else next(flags)
             mask.append(chosen and _is_param(node))
     return jax.tree_util.tree_unflatten(treedef, mask)
+
+
+def _selects(trainable: Callable[[Any], Any], param: Any) -> bool:
+    """`trainable(param)` as a Python bool. The predicate decides the same thing at
+    `step.init` (concrete arrays) and inside the step (traced ones) only when it
+    depends on a parameter's place, shape or dtype: one that computes with the
+    values (`lambda p: p > 0`) is refused here, in both places."""
+    advice = (
+        "`trainable` must depend only on a parameter's shape or dtype, e.g. "
+        "`lambda p: p.ndim > 1`, not on its values (inside the step they are "
+        "traced); to select by place, pass an Equinox filter spec (a tree of bools "
+        "over the model, as for `eqx.filter`)."
+    )
+    try:
+        chosen = trainable(param)
+    except jax.errors.ConcretizationTypeError as e:
+        raise StateTypeError(f"{advice} It read a value ({e}).") from e
+    if isinstance(chosen, jax.Array | np.ndarray):
+        raise StateTypeError(
+            f"{advice} It returned an array (shape {tuple(chosen.shape)}, dtype "
+            f"{chosen.dtype}) for a parameter of shape {tuple(jnp.shape(param))}."
+        )
+    return bool(chosen)
 
 
 def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:

@@ -194,6 +194,12 @@ def test_indexed_reads_and_writes_follow_numpy(idx, where):
         (jnp.array([True, False, True]), "jnp.where"),
         (True, "jnp.where"),
         ((None, 0), r"cell\[i\]\[None\]"),
+        # `jnp` and a ref refuse a list (NumPy's index array), each with its own
+        # error; a string or a slice of strings is no index at all
+        ([0, 1], r"jnp.asarray\(\[0, 1\]\)"),
+        ("a", "integers, slices"),
+        ((0, "a"), "integers, slices"),
+        (slice("a", None), "bounds are integers or None"),
     ],
     ids=repr,
 )
@@ -203,7 +209,7 @@ def test_an_index_a_ref_cannot_take_is_refused_on_read_and_write(idx, hint, mode
     cell = es.Buffer(jnp.asarray(start))
     if mode == "ref":
         cell = es.to_refs(cell)
-    if mode == "value" and hint != "astype":
+    if mode == "value" and hint in ("jnp.where", r"cell\[i\]\[None\]"):
         # a value-mode read is an array's read: a mask or a new axis as NumPy
         np.testing.assert_array_equal(cell[idx], start[idx])
     else:

@@ -115,6 +115,24 @@ def test_trainable_as_a_predicate_and_with_optax_wrappers():
     assert step.trace_count == 1
 
 
+@pytest.mark.parametrize(
+    "predicate",
+    [lambda p: p > 0, lambda p: p.sum() > 0, lambda p: float(p.sum()) > 0],
+    ids=["elementwise", "a reduction", "a Python float of it"],
+)
+def test_a_predicate_of_the_values_is_refused_naming_the_rule(predicate):
+    """A predicate that computes with a parameter's values selects differently at
+    `init` (concrete) and in the step (traced): JAX's bare "truth value is
+    ambiguous" or `TracerBoolConversionError` became an error naming the rule."""
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.sgd(0.1), trainable=predicate)
+    with pytest.raises(TypeError, match=r"shape or dtype.*not on its values") as info:
+        opt_state = step.init(model)
+        xs, ys = data()
+        step(model, opt_state, xs[0], ys[0])
+    assert isinstance(info.value, es.EqxStateError)
+
+
 def test_return_loss_is_the_loss_before_the_update():
     xs, ys = data()
     model = Net(jax.random.key(0))
