@@ -213,6 +213,7 @@ class Dropout(_LayerBase):
     ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) it returns `x`
     unchanged and draws nothing, so no state is written. With `p=0` (identity) or
     `p=1` (zeros) the output does not depend on a mask, so nothing is drawn either.
+    A dropped entry is `x * 0`, as in PyTorch: NaN where `x` is NaN or infinite.
 
     Call it on the whole batch: the mask has the shape of `x`, so every example
     gets its own. For per-example calls, map the model with
@@ -306,7 +307,8 @@ class Dropout(_LayerBase):
         if inference or self.p == 0.0:
             return x
         if self.p == 1.0:
-            return jnp.zeros_like(x)
+            # `x * 0`, as PyTorch: zeros, and NaN where `x` is NaN or infinite
+            return x * jnp.zeros((), jnp.result_type(x))
         if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             # the kept values are scaled by 1 / (1 - p): in an integer dtype that
             # scale would be truncated (to 1, or to inf for `x / 0`)
@@ -334,4 +336,7 @@ class Dropout(_LayerBase):
             kept = x * jnp.asarray(1.0 / q, x.dtype)
         else:
             kept = x / jnp.asarray(q, x.dtype)
-        return jnp.where(mask, kept, jnp.zeros((), x.dtype))
+        # a dropped entry is `x * 0`, as PyTorch's `x * mask * scale`: 0 (of x's
+        # sign), and NaN where `x` is NaN or infinite, so a diverged activation
+        # stays visible (docs/misuse.md, "NaN and Inf in a batch")
+        return jnp.where(mask, kept, x * jnp.zeros((), x.dtype))

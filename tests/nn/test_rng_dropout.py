@@ -496,3 +496,31 @@ def test_kept_values_equal_torchs_in_every_float_dtype(dtype, p):
     want = (tx * torch.tensor(1 / (1 - p)).to(t_dtype)).float().numpy()
     np.testing.assert_array_equal(ty[t_kept].float().numpy(), want[t_kept.numpy()])
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32))[kept], want[kept])
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_nan_and_inf_propagate_through_dropped_entries_as_in_torch(p):
+    """PyTorch multiplies by the mask, so a dropped NaN or Inf is NaN (`inf * 0`):
+    a diverged activation stays visible. Here a dropped entry was 0, and `p=1`
+    gave zeros whatever `x` held."""
+    import torch
+
+    x = np.array([np.nan, np.inf, 1.0, -np.inf, -2.0] * 8, np.float32)
+    drop = es.nn.Dropout(p, key=jax.random.key(0))
+    y, _ = es.apply(lambda m, x: m(x), drop, jnp.asarray(x))
+    y = np.asarray(y)
+    torch.manual_seed(0)
+    t = torch.nn.functional.dropout(torch.from_numpy(x), p, training=True).numpy()
+    finite = np.isfinite(x)
+    for out in (y, t):  # non-finite exactly where the input is
+        np.testing.assert_array_equal(np.isfinite(out), finite)
+    # the mask: the same layer (same stream) on ones
+    ones, _ = es.apply(lambda m, x: m(x), drop, jnp.ones_like(x))
+    kept = np.asarray(ones) != 0
+    # torch's rule on this layer's mask: `x * scale` kept, `x * 0` dropped
+    with np.errstate(invalid="ignore"):  # inf * 0
+        want = np.where(kept, x * np.float32(1 / (1 - p)) if p < 1 else 0, x * 0)
+    np.testing.assert_array_equal(y, want)
+    if p == 1.0:  # no mask: torch's output itself, signed zeros too
+        np.testing.assert_array_equal(y, t)
+        assert np.array_equal(np.signbit(y[finite]), np.signbit(t[finite]))
