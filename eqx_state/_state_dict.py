@@ -292,7 +292,14 @@ def _checked(
             if floats:  # a precision that the whole model could be built in
                 fix += f", or build the model with dtype={have.name}"
             if ints:
-                fix = f"its values do not fit in {dtype.name}"
+                fix = (
+                    f"its values do not fit in {dtype.name}. Enable 64-bit JAX "
+                    "(`jax.config.update('jax_enable_x64', True)` before building "
+                    f"the model) so that the cell holds {have.name}, or lower the "
+                    f"entry to a value {dtype.name} holds (a count such as "
+                    "`num_batches_tracked` only matters through `momentum=None` or "
+                    "`zero_debias`)"
+                )
             raise StateTypeError(
                 f"Dtype mismatch for `{name}`: the state dict has {have.name}, the "
                 f"model ({where}) holds {dtype.name}. Loading does not change a "

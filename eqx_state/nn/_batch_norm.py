@@ -27,7 +27,10 @@ class BatchNorm(_LayerBase):
       variance; update `running_mean = (1 - m) * running_mean + m * mean` and
       `running_var = (1 - m) * running_var + m * unbiased_var`, where `m` is
       `momentum`, or `1 / num_batches_tracked` (a cumulative average) when
-      `momentum=None`; `num_batches_tracked += 1`.
+      `momentum=None`; `num_batches_tracked += 1` (an int32, saturating at
+      $2^{31} - 1$ instead of wrapping: PyTorch's int64 count goes on, so past
+      that `momentum=None` weighs a batch $1 / (2^{31} - 1)$ where PyTorch weighs
+      it $1 / 2^{31}$ or less).
     - evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)): normalise
       with the running statistics; nothing is written.
     - `track_running_stats=False`: always normalise with batch statistics (also in
@@ -425,7 +428,12 @@ class BatchNorm(_LayerBase):
         for cell in (self.running_mean, self.running_var):
             check_cell_dtype("BatchNorm", self, cell, jnp.floating, 32)
         check_cell_dtype("BatchNorm", self, self.num_batches_tracked, jnp.integer, 32)
-        count = self.num_batches_tracked[...] + 1
+        seen = self.num_batches_tracked[...]
+        # saturates at the dtype's largest value instead of wrapping (an int32
+        # count loaded from PyTorch's int64 near 2**31 would turn negative, and
+        # `momentum=None`'s weight 1 / count with it)
+        top = jnp.iinfo(seen.dtype).max
+        count = jnp.where(seen < top, seen + 1, seen)
         self.num_batches_tracked[...] = count
         dt = mean.dtype
         if self.momentum is None:

@@ -769,3 +769,23 @@ def test_tensors_without_readable_values_name_the_key():
     sparse = torch.zeros(3).to_sparse()
     with pytest.raises(es.EqxStateError, match=r"state_dict\['w'\]"):
         es.load_state_dict(like, {"w": sparse})
+
+
+def test_a_count_loaded_at_the_int32_limit_saturates_instead_of_wrapping():
+    """PyTorch's int64 count at 2**31 - 1 loads into the int32 cell; the next
+    training call wrapped it to -2**31, and `momentum=None`'s weight 1 / count
+    turned negative. It saturates, and the running mean stays PyTorch's to float32
+    precision; a count past int32 is refused, naming the fix."""
+    t = torch.nn.BatchNorm1d(2, momentum=None)
+    t.num_batches_tracked.fill_(2**31 - 1)
+    with torch.no_grad():
+        t.running_mean.fill_(1.0)
+    bn = es.load_state_dict(es.nn.BatchNorm(2, momentum=None), t.state_dict())
+    x = np.array([[100.0, 100.0], [102.0, 102.0]], np.float32)
+    t(torch.from_numpy(x))
+    _, bn = es.apply(lambda m, x: m(x), bn, jnp.asarray(x))
+    assert int(bn.num_batches_tracked[...]) == 2**31 - 1
+    np.testing.assert_allclose(bn.running_mean[...], t.running_mean.numpy(), rtol=1e-7)
+    t.num_batches_tracked.fill_(2**31)
+    with pytest.raises(TypeError, match=r"do not fit in int32.*jax_enable_x64"):
+        es.load_state_dict(es.nn.BatchNorm(2, momentum=None), t.state_dict())
