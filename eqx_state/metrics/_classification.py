@@ -441,7 +441,8 @@ class Precision(_AveragedMetric):
         negatives (for single-label data all three scores equal the accuracy);
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
-        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        `labels=None`; torchmetrics likewise for `top_k=1`, while for `top_k > 1`
+        it averages over the classes that occur in the labels only), or over every label for
         multi-label input. A class occurs when it is the label or the prediction of
         an example given to `update`, whatever that example's sample weight (0
         included, as sklearn); examples left out by `mask=`, and padding labels,
@@ -513,7 +514,8 @@ class Recall(_AveragedMetric):
         negatives (for single-label data all three scores equal the accuracy);
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
-        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        `labels=None`; torchmetrics likewise for `top_k=1`, while for `top_k > 1`
+        it averages over the classes that occur in the labels only), or over every label for
         multi-label input. A class occurs when it is the label or the prediction of
         an example given to `update`, whatever that example's sample weight (0
         included, as sklearn); examples left out by `mask=`, and padding labels,
@@ -586,7 +588,8 @@ class F1(_AveragedMetric):
         negatives (for single-label data all three scores equal the accuracy);
     - `"macro"`: the unweighted mean of the per-class scores — over the classes
         that occur in the labels or the predictions (sklearn's default
-        `labels=None`; torchmetrics likewise for `top_k=1`), or over every label for
+        `labels=None`; torchmetrics likewise for `top_k=1`, while for `top_k > 1`
+        it averages over the classes that occur in the labels only), or over every label for
         multi-label input. A class occurs when it is the label or the prediction of
         an example given to `update`, whatever that example's sample weight (0
         included, as sklearn); examples left out by `mask=`, and padding labels,

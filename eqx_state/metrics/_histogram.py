@@ -220,7 +220,11 @@ class Histogram(Metric):
 
     - `bins`: the number of bins (>= 1).
     - `range`: `(low, high)`, finite, `low < high`: the lower edge of the first
-        bin and the upper edge of the last (converted to Python floats).
+        bin and the upper edge of the last, converted to Python floats: the bins
+        are `numpy.histogram`'s for `range=(float(low), float(high))`. (Given
+        float32 bounds, e.g. `(x.min(), x.max())` of a float32 array, numpy
+        computes its edges in float32 and may put a value that lies on an edge in
+        the neighbouring bin; compare with numpy using Python floats.)
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the counts (default float32), or a signed integer

@@ -40,9 +40,11 @@ class MeanStd(Metric):
 
     which is exact and associative, so batches, merges and devices can be combined in
     any grouping. (The state's `mean` is kept in `dtype`: where the values' spread
-    between batches is near that dtype's resolution at their size, e.g. 1e7 +
-    N(0, 1) in float32, whose means are rounded to whole numbers, the merged
-    deviation is off by a few percent; use `dtype=jnp.float64` with x64 there.) Sample weights act as frequency weights (a weight of 2 counts a
+    between batches is near that dtype's resolution at their size, the merged
+    deviation is off. In float32, for N(0, 1) values offset by 1e5 updated one
+    value at a time it is off by ~1e-4 (as `numpy.std` in float32), by 1e6 a few
+    percent, by 1e7 (means rounded to whole numbers) far more; use
+    `dtype=jnp.float64` with x64 there, or subtract a known offset first.) Sample weights act as frequency weights (a weight of 2 counts a
     value twice), so they must not be negative (as `numpy.cov`'s `fweights`): a
     negative weight raises, through `eqx.error_if`.
 

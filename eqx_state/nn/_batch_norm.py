@@ -65,7 +65,10 @@ class BatchNorm(_LayerBase):
     batch (Flax writes NaN into them). One with a single unmasked entry updates its
     running mean and keeps its running variance (the unbiased variance of one value
     is undefined; with `unbiased_running_var=False` the biased variance 0 is folded
-    in, as Flax does). Unmasked, a batch of one value per channel is refused
+    in, as Flax does); its output is normalised with batch variance 0, i.e.
+    `(x - x0) / sqrt(eps)` (large: the mask's count is traced, so it is not
+    refused as the unmasked case is; mask such a batch out of the loss, or give
+    every channel two or more entries). Unmasked, a batch of one value per channel is refused
     wherever batch statistics are used, as in PyTorch: in training, and in
     evaluation with `track_running_stats=False`.
 
