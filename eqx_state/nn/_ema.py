@@ -41,7 +41,9 @@ class EMA(_LayerBase):
     number of earlier updates). One difference from Haiku: without zero-debiasing
     the average starts at the parameters the `EMA` was built from, not at zero
     (which would pull averaged weights towards zero). The update is computed as
-    `torch.lerp` computes it, $h + (1 - d_t)(p - h)$.
+    `torch.lerp` computes it, $h + (1 - d_t)(p - h)$ (from the nearer end), with a
+    multiply and an add: PyTorch's vectorised CPU kernel fuses them (one rounding)
+    for most entries, so the two can differ in the last bit (about one ulp).
 
     **PyTorch.** `EMA(model, decay, warmup_length=1)` is
     `torch.optim.swa_utils.AveragedModel(model,
