@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 
@@ -235,7 +236,12 @@ def jit_body(fn: Any) -> Any:
         from equinox._jit import _JitWrapper
     except ImportError:  # pragma: no cover - depends on the Equinox version
         return fn
-    return fn.__wrapped__ if isinstance(fn, _JitWrapper) else fn
+    if isinstance(fn, _JitWrapper):
+        return fn.__wrapped__
+    # a decorated method, bound: Equinox binds it as `eqx.Partial(wrapper, self)`
+    if isinstance(fn, eqx.Partial) and isinstance(fn.func, _JitWrapper):
+        return eqx.Partial(fn.func.__wrapped__, *fn.args, **fn.keywords)
+    return fn
 
 
 def is_ref_in_filtered_transform(e: BaseException) -> bool:

@@ -263,6 +263,15 @@ def test_jit_body_is_the_function_filter_jit_wraps():
     wrapped = jax.jit(f)
     assert _compat.jit_body(wrapped) is wrapped
 
+    class Trainer:
+        @eqx.filter_jit
+        def loss(self, x):
+            return x * 2
+
+    bound = _compat.jit_body(Trainer().loss)  # Equinox binds it in an eqx.Partial
+    assert isinstance(bound, eqx.Partial) and bound.func is Trainer.loss.__wrapped__
+    assert bound(3) == 6
+
 
 def test_is_ref_in_filtered_transform_recognises_jaxs_errors():
     seen = []
