@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from collections.abc import Hashable, Iterator
 from typing import Any, no_type_check
 
@@ -26,6 +27,7 @@ from ._errors import (
     StateError,
     StateIndexError,
     StateTypeError,
+    StateValueError,
     StateWriteError,
     is_whole,
     stale_message,
@@ -508,12 +510,29 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
         elif isinstance(p, slice):
             if any(isinstance(b, Tracer) for b in (p.start, p.stop, p.step)):
                 return None
-            if not all(b is None or is_whole(b) for b in (p.start, p.stop, p.step)):
+            if not all(b is None or _is_index(b) for b in (p.start, p.stop, p.step)):
                 raise StateTypeError(
                     f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
                     "a slice's bounds are integers or None."
                 )
-            probe.append(p)
+            part = slice(*(_bound(b) for b in (p.start, p.stop, p.step)))
+            if ref and part.step is not None and part.step < 1:
+                raise StateValueError(
+                    f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
+                    "a cell that holds a ref (ref mode, or any write) takes slices "
+                    "with a positive step only. Read the cell and reverse the "
+                    "array, e.g. `cell[...][::-1]`; write `cell[...] = new[::-1]`."
+                )
+            probe.append(part)
+        elif (
+            isinstance(p, list)
+            and not ref
+            and isinstance(idx, tuple)
+            and all(_is_index(e) for e in p)
+        ):
+            # a list inside a tuple is an index array to `jnp` (a read of an array,
+            # value mode, no step); a ref, and `jnp` at the top level, refuse it
+            probe.append(np.asarray([operator.index(e) for e in p], np.intp))
         elif isinstance(p, float | complex) or (
             hasattr(p, "dtype") and not jnp.issubdtype(p.dtype, jnp.integer)  # pyright: ignore
         ):
@@ -543,7 +562,7 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                 f"{type(p).__name__}"
                 + (
                     "; for several positions pass an array, "
-                    "`cell[jnp.asarray([0, 1])]`)."
+                    f"`jnp.asarray({_short(p)})`)."
                     if isinstance(p, list | range)
                     else ")."
                 )
@@ -560,6 +579,29 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
         ) from None
 
 
+def _is_index(b: Any) -> bool:
+    """Whether `b` is a whole number an index takes: a Python or NumPy integer, or
+    a concrete 0-d integer array (`jnp.argmax(...)`), as NumPy's `operator.index`."""
+    if isinstance(b, bool | np.bool_) or (
+        hasattr(b, "dtype") and not jnp.issubdtype(b.dtype, jnp.integer)
+    ):
+        return isinstance(b, bool | np.bool_)  # NumPy takes True as 1 in a slice
+    try:
+        operator.index(b)
+    except TypeError:
+        return False
+    return True
+
+
+def _bound(b: Any) -> Any:
+    return None if b is None else operator.index(b)
+
+
+def _short(p: Any) -> str:
+    text = repr(list(p))
+    return text if len(text) <= 40 else text[:37] + "...]"
+
+
 def _index_repr(idx: Any) -> str:
     parts = idx if isinstance(idx, tuple) else (idx,)
 
@@ -567,7 +609,8 @@ def _index_repr(idx: Any) -> str:
         if p is Ellipsis:
             return "..."
         if isinstance(p, slice):
-            return ":".join("" if b is None else repr(b) for b in (p.start, p.stop))
+            bounds = (p.start, p.stop) if p.step is None else (p.start, p.stop, p.step)
+            return ":".join("" if b is None else repr(b) for b in bounds)
         if isinstance(p, jax.Array | np.ndarray) and p.ndim:
             return f"<{p.dtype} array {tuple(p.shape)}>"
         return repr(p)

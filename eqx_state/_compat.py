@@ -8,6 +8,8 @@ training step.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import equinox as eqx
@@ -237,10 +239,14 @@ def jit_body(fn: Any) -> Any:
     except ImportError:  # pragma: no cover - depends on the Equinox version
         return fn
     if isinstance(fn, _JitWrapper):
-        return fn.__wrapped__
-    # a decorated method, bound: Equinox binds it as `eqx.Partial(wrapper, self)`
-    if isinstance(fn, eqx.Partial) and isinstance(fn.func, _JitWrapper):
-        return eqx.Partial(fn.func.__wrapped__, *fn.args, **fn.keywords)
+        return jit_body(fn.__wrapped__)  # `filter_jit(filter_jit(f))` too
+    # a decorated method, bound (Equinox binds it as `eqx.Partial(wrapper, self)`),
+    # or a decorated function given some of its arguments
+    for partial in (eqx.Partial, functools.partial):
+        if isinstance(fn, partial):
+            body = jit_body(fn.func)
+            if body is not fn.func:
+                return partial(body, *fn.args, **fn.keywords)
     return fn
 
 
@@ -250,8 +256,14 @@ def is_ref_in_filtered_transform(e: BaseException) -> bool:
     treat a ref as a static (hashed, not traced) leaf. Only the texts of JAX's
     errors tell them apart."""
     text = str(e)
-    if isinstance(e, ValueError):
+    if isinstance(e, ValueError):  # `jax.jit` hashing its static arguments
         return "Non-hashable static arguments" in text and "Ref{" in text
-    if isinstance(e, AttributeError):
-        return "'AbstractRef' object has no attribute" in text
+    if isinstance(e, AttributeError) and "'AbstractRef' object has no" in text:
+        # Equinox's closure conversion comparing a ref as a static leaf (and not,
+        # say, a user's `cell.value.mean()` on a ref): raised inside Equinox
+        tb = e.__traceback__
+        while tb is not None:
+            if "equinox" in tb.tb_frame.f_code.co_filename.split(os.sep):
+                return True
+            tb = tb.tb_next
     return False

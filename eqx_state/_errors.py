@@ -76,11 +76,12 @@ def stale_message(what: str) -> str:
 # (`_pure._cond_note`, around the user's code in every step and apply).
 FILTERED_TRANSFORM_MESSAGE = (
     "A function inside the step or apply passes the model (or a module that holds "
-    "state cells) to one of Equinox's filtered transformations (`eqx.filter_jit`, "
-    "`eqx.filter_closure_convert`). Inside a "
-    "compiled step or apply the cells are refs made by its trace, and Equinox's "
-    "filters treat a ref as a static leaf (hashed, not traced), which a traced ref "
-    "cannot be. Call the model directly (the step is already compiled: an inner "
+    "state cells) where it is a static argument: to one of Equinox's filtered "
+    "transformations (`eqx.filter_jit`, `eqx.filter_closure_convert`), or as a "
+    "`static_argnums` argument of `jax.jit`. Inside a compiled step or apply the "
+    "cells are refs made by its trace, and a static leaf is hashed, not traced "
+    "(Equinox's filters treat a ref as one), which a traced ref cannot be. Call "
+    "the model directly (the step is already compiled: an inner "
     "`eqx.filter_jit` adds nothing), or close over it instead of passing it: "
     "`eqx.filter_jit(lambda x: model(x))(x)`. A function decorated with "
     "`@eqx.filter_jit` and given to `make_step` / `make_apply` itself is fine: "

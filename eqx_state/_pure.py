@@ -242,9 +242,14 @@ def _selects(trainable: Callable[[Any], Any], param: Any) -> bool:
     )
     try:
         chosen = trainable(param)
-    except jax.errors.ConcretizationTypeError as e:
+    except (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+    ) as e:
         raise StateTypeError(f"{advice} It read a value ({e}).") from e
-    if isinstance(chosen, jax.Array | np.ndarray):
+    if isinstance(chosen, jax.Array) or (
+        isinstance(chosen, np.ndarray) and chosen.ndim
+    ):  # a 0-d NumPy array of a shape test (`np.asarray(p.ndim > 1)`) is a bool
         raise StateTypeError(
             f"{advice} It returned an array (shape {tuple(chosen.shape)}, dtype "
             f"{chosen.dtype}) for a parameter of shape {tuple(jnp.shape(param))}."

@@ -292,13 +292,15 @@ def _checked(
             if floats:  # a precision that the whole model could be built in
                 fix += f", or build the model with dtype={have.name}"
             if ints:
+                info = np.iinfo(dtype)
                 fix = (
-                    f"its values do not fit in {dtype.name}. Enable 64-bit JAX "
-                    "(`jax.config.update('jax_enable_x64', True)` before building "
-                    f"the model) so that the cell holds {have.name}, or lower the "
-                    f"entry to a value {dtype.name} holds (a count such as "
-                    "`num_batches_tracked` only matters through `momentum=None` or "
-                    "`zero_debias`)"
+                    f"its values do not fit in {dtype.name}. Bring the entry into "
+                    f"{dtype.name}'s range first, e.g. `sd[{name!r}] = "
+                    f"sd[{name!r}].clamp({info.min}, {info.max})` for a torch "
+                    f"tensor or `np.clip(..., {info.min}, {info.max})` (a count "
+                    "such as `num_batches_tracked` at its largest value weighs a "
+                    "`momentum=None` update as a count one higher would, to "
+                    "float32 precision)"
                 )
             raise StateTypeError(
                 f"Dtype mismatch for `{name}`: the state dict has {have.name}, the "

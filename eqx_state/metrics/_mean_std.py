@@ -41,10 +41,12 @@ class MeanStd(Metric):
     which is exact and associative, so batches, merges and devices can be combined in
     any grouping. (The state's `mean` is kept in `dtype`: where the values' spread
     between batches is near that dtype's resolution at their size, the merged
-    deviation is off. In float32, for N(0, 1) values offset by 1e5 updated one
-    value at a time it is off by ~1e-4 (as `numpy.std` in float32), by 1e6 a few
-    percent, by 1e7 (means rounded to whole numbers) far more; use
-    `dtype=jnp.float64` with x64 there, or subtract a known offset first.) Sample weights act as frequency weights (a weight of 2 counts a
+    deviation is off, by an amount that depends on the offset, the number of
+    updates and their sizes. Measured in float32 with N(0, 1) values updated one
+    at a time: offset 1e5, 2·10^4 values: ~1e-4 relative (`numpy.std` in float32:
+    ~1e-5); offset 1e6: ~1e-3 after 2·10^3 values, ~2e-2 after 2·10^4. Use
+    `dtype=jnp.float64` with x64 for values far from zero relative to their
+    spread, or subtract a known offset first.) Sample weights act as frequency weights (a weight of 2 counts a
     value twice), so they must not be negative (as `numpy.cov`'s `fweights`): a
     negative weight raises, through `eqx.error_if`.
 

@@ -14,6 +14,7 @@ from .._buffer import BatchStat, _LayerBase, check_cell_dtype, layer_path
 from .._errors import StateTypeError, StateValueError, check_int, check_real
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
+from ._counter import saturating_add
 from ._flag import inference_flag
 
 
@@ -431,12 +432,9 @@ class BatchNorm(_LayerBase):
         for cell in (self.running_mean, self.running_var):
             check_cell_dtype("BatchNorm", self, cell, jnp.floating, 32)
         check_cell_dtype("BatchNorm", self, self.num_batches_tracked, jnp.integer, 32)
-        seen = self.num_batches_tracked[...]
-        # saturates at the dtype's largest value instead of wrapping (an int32
-        # count loaded from PyTorch's int64 near 2**31 would turn negative, and
-        # `momentum=None`'s weight 1 / count with it)
-        top = jnp.iinfo(seen.dtype).max
-        count = jnp.where(seen < top, seen + 1, seen)
+        # saturates instead of wrapping (an int32 count loaded from PyTorch's int64
+        # near 2**31 would turn negative, and `momentum=None`'s weight with it)
+        count = saturating_add(self.num_batches_tracked[...], 1)
         self.num_batches_tracked[...] = count
         dt = mean.dtype
         if self.momentum is None:

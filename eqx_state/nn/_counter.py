@@ -111,3 +111,14 @@ def _whole(
 
 
 _ = jax  # keep the import for type checkers that resolve `jax.Array` via jaxtyping
+
+
+def saturating_add(count: Array, n: ArrayLike) -> Array:
+    """`count + n` (`n >= 0`) in `count`'s integer dtype, stopping at the dtype's
+    largest value instead of wrapping: the one rule for the layers' own counts
+    (BatchNorm's `num_batches_tracked`, RunningNorm's, EMA's and Capture's). A
+    count that wrapped would turn negative, and every weight computed from it
+    (`1 / count`, `n / (count + n)`) with it."""
+    top = jnp.iinfo(count.dtype).max
+    n = jnp.asarray(n, count.dtype)
+    return jnp.where(count > top - n, jnp.asarray(top, count.dtype), count + n)

@@ -11,6 +11,7 @@ from jaxtyping import Array, Int, PyTree
 from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
 from .._errors import StateValueError, check_int, check_real
 from ._complex import refuse_complex
+from ._counter import saturating_add
 from ._flag import inference_flag
 from ._kv_cache import KVCache
 
@@ -306,7 +307,7 @@ class EMA(_LayerBase):
                 )
         if inference_flag(self):
             return
-        count = self.count[...] + 1
+        count = saturating_add(self.count[...], 1)
         self.count[...] = count
         t = count - self.warmup_length  # Haiku's counter: <= 0 during warm-up
         for cell, x in zip(self.hidden, leaves):

@@ -21,6 +21,7 @@ from ..metrics._extrema import Max, Min
 from ..metrics._mean import Mean
 from ..metrics._mean_std import MeanStd
 from ._complex import refuse_complex
+from ._counter import saturating_add
 from ._flag import inference_flag
 
 
@@ -674,7 +675,7 @@ class Capture(Recorder):
                 )
             v = v.astype(dtype)
         self.value[...] = _laid_out_like(v, self.value)
-        self.count[...] = self.count[...] + 1
+        self.count[...] = saturating_add(self.count[...], 1)
         return x
 
     def read(self) -> dict[str, Array]:

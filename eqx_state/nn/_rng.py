@@ -213,7 +213,8 @@ class Dropout(_LayerBase):
     ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) it returns `x`
     unchanged and draws nothing, so no state is written. With `p=0` (identity) or
     `p=1` (zeros) the output does not depend on a mask, so nothing is drawn either.
-    A dropped entry is `x * 0`, as in PyTorch: NaN where `x` is NaN or infinite.
+    A dropped entry is `x * 0`, as in PyTorch: NaN where `x` is NaN or infinite
+    (a kept infinite entry stays infinite).
 
     Call it on the whole batch: the mask has the shape of `x`, so every example
     gets its own. For per-example calls, map the model with

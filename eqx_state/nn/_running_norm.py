@@ -13,10 +13,8 @@ from .._buffer import BatchStat, _LayerBase, check_cell_dtype
 from .._errors import StateTypeError, StateValueError, check_real, is_whole
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
+from ._counter import saturating_add
 from ._flag import inference_flag
-
-
-_COUNT_MAX = 2**31 - 1  # the int32 count saturates here instead of wrapping
 
 
 def _check_shape(shape: Any) -> tuple[int, ...]:
@@ -320,7 +318,5 @@ def _combine(
     delta = mb.astype(dtype) - ma.astype(dtype)
     mean = ma.astype(dtype) + delta * wb
     var = va.astype(dtype) * wa + vb.astype(dtype) * wb + jnp.square(delta) * (wa * wb)
-    count = jnp.where(
-        na > _COUNT_MAX - nb, jnp.asarray(_COUNT_MAX, jnp.int32), na + nb
-    ).astype(jnp.int32)
+    count = saturating_add(jnp.asarray(na, jnp.int32), jnp.asarray(nb, jnp.int32))
     return count, mean, var

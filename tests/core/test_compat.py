@@ -2,6 +2,7 @@
 tests check each one against the installed JAX, so that an upgrade that moves or
 changes one fails here, loudly, instead of somewhere inside a training step."""
 
+import functools
 import pathlib
 import re
 
@@ -271,6 +272,10 @@ def test_jit_body_is_the_function_filter_jit_wraps():
     bound = _compat.jit_body(Trainer().loss)  # Equinox binds it in an eqx.Partial
     assert isinstance(bound, eqx.Partial) and bound.func is Trainer.loss.__wrapped__
     assert bound(3) == 6
+    # nested, and given some of its arguments
+    assert _compat.jit_body(eqx.filter_jit(eqx.filter_jit(f))) is f
+    part = _compat.jit_body(functools.partial(eqx.filter_jit(f), 2))
+    assert isinstance(part, functools.partial) and part.func is f and part() == 3
 
 
 def test_is_ref_in_filtered_transform_recognises_jaxs_errors():
@@ -279,6 +284,12 @@ def test_is_ref_in_filtered_transform_recognises_jaxs_errors():
     @jax.jit
     def run(x):
         ref = jax.new_ref(x)
+        try:  # a user's array method on a raw ref: not Equinox's
+            ref.mean()  # pyright: ignore
+        except AttributeError as e:
+            assert not _compat.is_ref_in_filtered_transform(e)
+        else:
+            raise AssertionError("a ref has no `mean`")
         for transform in (eqx.filter_jit, eqx.filter_closure_convert):
             try:
                 if transform is eqx.filter_jit:

@@ -117,8 +117,13 @@ def test_trainable_as_a_predicate_and_with_optax_wrappers():
 
 @pytest.mark.parametrize(
     "predicate",
-    [lambda p: p > 0, lambda p: p.sum() > 0, lambda p: float(p.sum()) > 0],
-    ids=["elementwise", "a reduction", "a Python float of it"],
+    [
+        lambda p: p > 0,
+        lambda p: p.sum() > 0,
+        lambda p: float(p.sum()) > 0,
+        lambda p: np.asarray(p).sum() > 0,
+    ],
+    ids=["elementwise", "a reduction", "a Python float of it", "a NumPy copy"],
 )
 def test_a_predicate_of_the_values_is_refused_naming_the_rule(predicate):
     """A predicate that computes with a parameter's values selects differently at
@@ -131,6 +136,18 @@ def test_a_predicate_of_the_values_is_refused_naming_the_rule(predicate):
         xs, ys = data()
         step(model, opt_state, xs[0], ys[0])
     assert isinstance(info.value, es.EqxStateError)
+
+
+def test_a_predicate_of_shapes_returning_numpy_bools_is_accepted():
+    model = Net(jax.random.key(0))
+    step = es.make_step(
+        loss_fn, optax.adam(0.1), trainable=lambda p: np.asarray(p.ndim > 1)
+    )
+    mu = step.init(model)[0].mu  # Adam's moments: the matrices only
+    assert {x.ndim for x in jax.tree.leaves(mu)} == {2}
+    assert len(jax.tree.leaves(mu)) == len(
+        [x for x in jax.tree.leaves(es.params(model)) if x.ndim > 1]
+    )
 
 
 def test_return_loss_is_the_loss_before_the_update():
