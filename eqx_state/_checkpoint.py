@@ -978,6 +978,16 @@ def _like_kind(leaf: Any) -> str:
     return "abstract"  # jax.ShapeDtypeStruct: any array kind
 
 
+def kind_message(where: str, source: str, saved: str, held: str, leaf: Any) -> str:
+    """The one message for a checkpoint leaf of another kind than `like`'s (a JAX
+    array where `like` holds a Python scalar, ...), for every persistence path."""
+    return (
+        f"At {where} {source} holds {_KIND_WORDS[saved]} but `like` "
+        f"holds {_KIND_WORDS.get(held, type(leaf).__name__)}. Build `like` the way "
+        "the saved tree was built."
+    )
+
+
 def _is_loaded(x: Any) -> bool:
     return _is_saved(x) or isinstance(x, jax.ShapeDtypeStruct)
 
@@ -993,9 +1003,7 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
         and not _numpy_kinds_agree(entry.kind, kind, {entry.shape, np.shape(leaf)})
     ):
         raise CheckpointError(
-            f"At {where} the checkpoint {name} holds {_KIND_WORDS[entry.kind]} but "
-            f"`like` holds {_KIND_WORDS.get(kind, type(leaf).__name__)}. Build `like` "
-            "the way the saved tree was built."
+            kind_message(where, f"the checkpoint {name}", entry.kind, kind, leaf)
         )
     if kind == "python":
         if type(leaf) is not entry.pytype:
@@ -1045,10 +1053,7 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
     ):
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "
-            f"saved with 64-bit types on; without them the model holds "
-            f"{np.dtype(want_dtype).name}. Turn them on before building the model and "
-            "`like` (`jax.config.update('jax_enable_x64', True)`); cast the loaded "
-            "tree afterwards if you want 32 bits."
+            + saved_with_x64(want_dtype)
         )
     if entry.shape != want_shape or not same_dtype:
         raise CheckpointError(
@@ -1056,6 +1061,18 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
             f"expects {np.dtype(want_dtype).name}{want_shape}. Build `like` with the same "
             "sizes and dtypes as the saved model."
         )
+
+
+def saved_with_x64(held: Any) -> str:
+    """The one message for a 64-bit array loaded where JAX runs without 64-bit
+    types (every persistence path refuses it: a count or a float64 would be cut to
+    32 bits silently)."""
+    return (
+        f"saved with 64-bit types on; without them the model holds "
+        f"{np.dtype(held).name}. Turn them on before building the model and "
+        "`like` (`jax.config.update('jax_enable_x64', True)`); cast the loaded "
+        "tree afterwards if you want 32 bits."
+    )
 
 
 def _placement(leaf: Any) -> Any:

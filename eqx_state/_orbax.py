@@ -13,8 +13,10 @@ from ._checkpoint import (
     CheckpointError,
     _check_refs_unshared,
     _is_python_scalar,
+    _like_kind,
     _make_weak,
     _numpy_leaf,
+    kind_message,
     saved_value,
     shown_path,
 )
@@ -136,6 +138,16 @@ def _saved_leaves(metadata: Any) -> dict[str, Any]:
     return out
 
 
+def _saved_kind(meta: Any) -> str:
+    """What Orbax saved at a leaf, by its metadata: a Python scalar (its scalar
+    metadata), a JAX array (an array with a sharding) or NumPy data."""
+    from orbax.checkpoint import metadata as ocp_metadata
+
+    if isinstance(meta, ocp_metadata.ScalarMetadata):
+        return "python"
+    return "numpy" if getattr(meta, "sharding", None) is None else "jax"
+
+
 def _checked_target(path: Any, x: Any, saved: dict[str, Any]) -> Any:
     target = _abstract(x)
     if target is None:
@@ -148,6 +160,14 @@ def _checked_target(path: Any, x: Any, saved: dict[str, Any]) -> Any:
             "different model or optimizer. Restore into the structure it was saved from."
         )
     got_dtype, got_shape = np.dtype(meta.dtype), tuple(meta.shape)
+    # a JAX array saved where `like` holds a Python scalar, or the reverse: refused
+    # as `es.load` refuses it (the rule of `_checkpoint._check_against`)
+    saved_kind = _saved_kind(meta)
+    held_kind = _like_kind(x)
+    if {saved_kind, held_kind} == {"jax", "python"}:
+        raise CheckpointError(
+            kind_message(where, "the Orbax checkpoint", saved_kind, held_kind, x)
+        )
     if _is_python_scalar(x) and not isinstance(x, complex):
         kinds = {bool: "b", int: "iu", float: "f"}[type(x)]
         if got_shape != () or got_dtype.kind not in kinds:

@@ -27,6 +27,7 @@ from ._checkpoint import (
     _key_impl_of_dtype,
     _make_weak,
     saved_value,
+    saved_with_x64,
 )
 from ._modes import _WITNESS_DTYPE
 
@@ -148,6 +149,8 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
     """
     if _is_witness(f, x):  # not in the file: derived from its cell
         return x if isinstance(x, jax.Array) else jnp.zeros(x.shape, x.dtype)
+    if isinstance(x, jax.Array | jax.Ref | jax.ShapeDtypeStruct):
+        _refuse_x64(f, x.dtype)
     if isinstance(x, jax.Ref):
         value = _read_leaf(f, jax.ShapeDtypeStruct(x.shape, x.dtype))
         if value.shape != x.shape or value.dtype != x.dtype:
@@ -161,6 +164,33 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
         _after_ref(f, x)
         return jax.new_ref(value, kind=getattr(jax.typeof(x), "kind", None))
     return _read_leaf(f, x)
+
+
+def _refuse_x64(f: Any, held: Any) -> None:
+    """Refuse a 64-bit array saved with x64 on where this JAX runs without it: the
+    file's header says what was saved (`jnp.load` would cut it to 32 bits, and
+    Equinox's check compares the cut array), as `es.load` refuses it."""
+    if jax.config.read("jax_enable_x64"):
+        return
+    start = f.tell()
+    try:
+        version = np.lib.format.read_magic(f)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        saved = read(f)[2]
+    except ValueError:  # not an array: Equinox's reader says what it is
+        return
+    finally:
+        f.seek(start)
+    wide = saved.kind in "iufc" and saved.itemsize == (16 if saved.kind == "c" else 8)
+    if wide and jax.dtypes.canonicalize_dtype(saved) == np.dtype(held):
+        raise CheckpointError(
+            f"A leaf of the file holds a JAX {saved.name} array, "
+            + saved_with_x64(held)
+        )
 
 
 def _read_leaf(f: Any, x: Any) -> Any:

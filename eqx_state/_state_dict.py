@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RngState, check_live, is_state
-from ._checkpoint import _check_refs_unshared
+from ._checkpoint import _check_refs_unshared, _make_weak
 from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
 from ._modes import to_refs
 from ._torch_names import (
@@ -148,6 +148,12 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
     the model's (`num_batches_tracked` is int32; PyTorch's is int64 and
     `torch.nn.Module.load_state_dict` casts it). PRNG key cells give their key data
     (`jax.random.key_data`).
+
+    What PyTorch has no buffer for is left out: `es.nn.Record` / `Capture`
+    recordings (diagnostics; `es.save` keeps them). A zero-debiased
+    [`eqx_state.nn.EMA`][] exports its debiased average (PyTorch's meaning) and
+    loading multiplies the correction back in float32, so its round trip is exact
+    to float32 rounding, not bit for bit: resume such a run with [`eqx_state.save`][].
 
     The arrays are copies: later steps (which donate buffers) do not change them.
     Works in both storage modes. For an **abstract** model (built with
@@ -310,6 +316,14 @@ def _checked(
     return jnp.array(x, dtype=dtype, copy=True)
 
 
+def _weak_like(new: jax.Array, old: Any) -> jax.Array:
+    """`new`, weakly typed where the model's leaf is (`jnp.asarray(0.5)`, the
+    alpha of `eqx.nn.PReLU`): loading keeps how the model computes with it (a
+    strong float32 scale would promote a bfloat16 model's activations), as
+    `es.load` and the other paths keep it."""
+    return _make_weak(new) if getattr(old, "weak_type", False) else new
+
+
 def _placed(new: Any, old: Any) -> Any:
     sharding = getattr(old, "sharding", None)
     if isinstance(old, jax.Array) and sharding is not None:
@@ -391,7 +405,7 @@ class _Loader:
         if not found:
             return leaf
         want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        return _placed(_checked(value, key, want, where), leaf)
+        return _placed(_weak_like(_checked(value, key, want, where), leaf), leaf)
 
     def cell(self, name: str, cell: Buffer) -> Buffer:
         ref_mode = isinstance(cell.value, jax.Ref)
@@ -411,7 +425,8 @@ class _Loader:
             is_key = _is_key_dtype(old.dtype)
             want = _key_data_shape(old) if is_key else old
             want = jax.ShapeDtypeStruct(want.shape, want.dtype)
-            new = _placed(_checked(value, name, want, _desc(cell)), old)
+            new = _checked(value, name, want, _desc(cell))
+            new = _placed(new if is_key else _weak_like(new, old), old)
             if is_key:
                 new = jax.random.wrap_key_data(new, impl=_key_impl(old))
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):

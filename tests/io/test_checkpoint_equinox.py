@@ -368,3 +368,34 @@ def test_es_filter_spec_names_a_consumed_ref_mode_cell(tmp_path):
         "The leaf that `eqx.tree_serialise_leaves` was writing (a ref-mode cell of "
         "float32[2]"
     )
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_es_filter_specs_refuse_a_64_bit_file_without_x64(tmp_path, mode):
+    """A count of 2**40 + 7 and a float64 saved with x64 on came back as 7 and a
+    rounded float32 without it (`jnp.load` cut them; Equinox's check compared the
+    cut arrays), where `es.load` refuses: refused alike, naming the switch."""
+    with jax.enable_x64(True):
+        saved = es.nn.Counter(dtype=jnp.int64)
+        saved = eqx.tree_at(
+            lambda c: c.count.value, saved, jnp.asarray(2**40 + 7, jnp.int64)
+        )
+        eqx.tree_serialise_leaves(
+            tmp_path / "m.eqx", saved, filter_spec=es.serialise_filter_spec
+        )
+    like = es.nn.Counter()  # int32 without x64
+    like = es.to_refs(like) if mode == "ref" else like
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_deserialise_leaves(
+            tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
+        )
+    cause = root_cause(info.value)
+    assert isinstance(cause, es.CheckpointError)
+    assert "int64 array, saved with 64-bit types on" in str(cause)
+    with jax.enable_x64(True):  # the fix it names works
+        like = es.nn.Counter(dtype=jnp.int64)
+        like = es.to_refs(like) if mode == "ref" else like
+        got = eqx.tree_deserialise_leaves(
+            tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
+        )
+        assert int(got.count[...]) == 2**40 + 7

@@ -499,3 +499,22 @@ def test_example_resumes_bit_exactly_after_a_crash(example, tmp_path):
     )
     assert start in {0, 1, 4, 8}  # whichever checkpoint the crash left finalised
     assert_equals_uninterrupted(example, tmp_path, "value", (model, opt_state))
+
+
+def test_a_jax_array_and_a_python_scalar_do_not_stand_for_each_other(tmp_path):
+    """An `optax.inject_hyperparams` learning rate saved as a float32 array loaded
+    into a state that holds a Python float came back as 0.009999999776 (Orbax casts
+    it), where `es.load` refuses: both paths now refuse, in both directions, with
+    one message."""
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    as_array = opt.init({"w": jnp.ones(3)})
+    as_float = opt.init({"w": jnp.ones(3)})
+    as_float.hyperparams["learning_rate"] = 0.05
+    for i, (saved, like, holds) in enumerate(
+        [(as_array, as_float, "a JAX array"), (as_float, as_array, "a Python scalar")]
+    ):
+        es.save(tmp_path / f"{i}.eqxs", saved)
+        with pytest.raises(es.CheckpointError, match=f"holds {holds} but `like`"):
+            es.load(tmp_path / f"{i}.eqxs", like)
+        with pytest.raises(es.CheckpointError, match=f"holds {holds} but `like`"):
+            save_and_restore(tmp_path / str(i), saved, like)

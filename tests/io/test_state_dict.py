@@ -795,3 +795,22 @@ def test_a_count_loaded_at_the_int32_limit_saturates_instead_of_wrapping():
     bn = es.load_state_dict(es.nn.BatchNorm(2, momentum=None), sd)
     assert int(bn.num_batches_tracked[...]) == 2**31 - 1
     assert "clamp(-2147483648, 2147483647)" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["value", "abstract"])
+def test_a_weakly_typed_parameter_loads_weakly_typed(mode):
+    """`eqx.nn.PReLU`'s alpha (and any `jnp.asarray(0.5)` field) is weakly typed:
+    a bfloat16 activation times it stays bfloat16. Loaded as a strong float32, it
+    made the model compute in float32 after a state-dict round trip (es.load keeps
+    the weak type)."""
+    model = eqx.nn.PReLU()
+    assert model.negative_slope.weak_type
+    sd = es.state_dict(model)
+    like = eqx.filter_eval_shape(eqx.nn.PReLU) if mode == "abstract" else model
+    loaded = es.load_state_dict(like, sd)
+    assert loaded.negative_slope.weak_type
+    x = -jnp.arange(4.0, dtype=jnp.bfloat16)
+    assert loaded(x).dtype == model(x).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(loaded(x), np.float32), np.asarray(model(x), np.float32)
+    )
