@@ -286,6 +286,16 @@ def _check_restored(path: Any, like: Any, got: Any) -> None:
         )
     ):
         return
+    if any(
+        d is not None and jax.dtypes.issubdtype(d, jax.dtypes.prng_key)
+        for d in (got_dtype, want_dtype)
+    ):  # the same key data, another kind of key: `orbax_target` cannot tell
+        raise CheckpointError(
+            f"At {_where(path)} the Orbax checkpoint holds {got_dtype}{got_shape} "
+            f"keys but `like` holds {want_dtype}{want_shape}. Build `like` with the "
+            "same keys (typed `jax.random.key` vs raw `jax.random.PRNGKey`, same "
+            "implementation)."
+        )
     raise CheckpointError(
         f"At {_where(path)} Orbax restored {got_dtype}{got_shape} "
         f"but `like` holds {want_dtype}{want_shape}: restore with "

@@ -518,3 +518,16 @@ def test_a_jax_array_and_a_python_scalar_do_not_stand_for_each_other(tmp_path):
             es.load(tmp_path / f"{i}.eqxs", like)
         with pytest.raises(es.CheckpointError, match=f"holds {holds} but `like`"):
             save_and_restore(tmp_path / str(i), saved, like)
+
+
+def test_a_typed_key_restored_into_a_raw_key_cell_names_the_keys(tmp_path):
+    """`orbax_target` cannot tell typed keys from raw key data (both are saved as
+    data); `from_orbax` refused with advice to restore with `orbax_target`, which
+    was what had been done. It names the keys, as `es.load` does."""
+    saved = {"k": es.RngState(jax.random.key(0))}
+    like = {"k": es.RngState(jax.random.PRNGKey(1))}
+    with pytest.raises(es.CheckpointError, match=r"same keys \(typed"):
+        save_and_restore(tmp_path, saved, like)
+    es.save(tmp_path / "k.eqxs", saved)
+    with pytest.raises(es.CheckpointError, match=r"same kind of key|typed"):
+        es.load(tmp_path / "k.eqxs", like)
