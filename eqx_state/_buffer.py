@@ -516,6 +516,11 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                     "a slice's bounds are integers or None."
                 )
             part = slice(*(_bound(b) for b in (p.start, p.stop, p.step)))
+            if part.step == 0:
+                raise StateValueError(
+                    f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
+                    "a slice step cannot be zero."
+                )
             if ref and part.step is not None and part.step < 1:
                 raise StateValueError(
                     f"Cannot index the {describe(buf)} with `[{_index_repr(idx)}]`: "
@@ -528,7 +533,7 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
             isinstance(p, list)
             and not ref
             and isinstance(idx, tuple)
-            and all(_is_index(e) for e in p)
+            and all(_is_index(e) and not isinstance(e, bool | np.bool_) for e in p)
         ):
             # a list inside a tuple is an index array to `jnp` (a read of an array,
             # value mode, no step); a ref, and `jnp` at the top level, refuse it
@@ -561,8 +566,7 @@ def index_shape(buf: Buffer, idx: Any) -> tuple[int, ...] | None:
                 "indices are integers, slices, `...` or integer arrays (got "
                 f"{type(p).__name__}"
                 + (
-                    "; for several positions pass an array, "
-                    f"`jnp.asarray({_short(p)})`)."
+                    f"; for several positions pass an array, `{_short(p)}`)."
                     if isinstance(p, list | range)
                     else ")."
                 )
@@ -598,8 +602,11 @@ def _bound(b: Any) -> Any:
 
 
 def _short(p: Any) -> str:
-    text = repr(list(p))
-    return text if len(text) <= 40 else text[:37] + "...]"
+    """How a message shows a list or a range index as an array."""
+    if isinstance(p, range):
+        return f"jnp.arange({p.start}, {p.stop}, {p.step})"
+    text = repr(p[:8])[:-1] + (", ...]" if len(p) > 8 else "]")
+    return f"jnp.asarray({text})"
 
 
 def _index_repr(idx: Any) -> str:

@@ -9,7 +9,6 @@ training step.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import equinox as eqx
@@ -195,6 +194,12 @@ def set_ref_buffer(ref: Any, new: jax.Array) -> None:
     ref._refs._buf._replace_with(new)
 
 
+def is_incompatible_devices_error(e: BaseException) -> bool:
+    """Whether `e` is JAX's refusal of a jitted call whose inputs live on different
+    devices (a ref made on one device beside arrays on a mesh)."""
+    return isinstance(e, ValueError) and "incompatible devices" in str(e)
+
+
 def is_deleted_array_error(e: BaseException) -> bool:
     """Whether `e` is JAX's error for a call given an array whose buffer was deleted
     (donated to an earlier call)."""
@@ -258,12 +263,9 @@ def is_ref_in_filtered_transform(e: BaseException) -> bool:
     text = str(e)
     if isinstance(e, ValueError):  # `jax.jit` hashing its static arguments
         return "Non-hashable static arguments" in text and "Ref{" in text
-    if isinstance(e, AttributeError) and "'AbstractRef' object has no" in text:
-        # Equinox's closure conversion comparing a ref as a static leaf (and not,
-        # say, a user's `cell.value.mean()` on a ref): raised inside Equinox
-        tb = e.__traceback__
-        while tb is not None:
-            if "equinox" in tb.tb_frame.f_code.co_filename.split(os.sep):
-                return True
-            tb = tb.tb_next
-    return False
+    # Equinox's closure conversion compares static leaves with `_ne` (a user's
+    # `cell.value.mean()` on a ref names another attribute)
+    return (
+        isinstance(e, AttributeError)
+        and "'AbstractRef' object has no attribute '_ne'" in text
+    )

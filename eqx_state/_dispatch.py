@@ -45,6 +45,7 @@ from ._compat import (
     is_batched,
     is_concrete_ref,
     is_deleted_array_error,
+    is_incompatible_devices_error,
     only_vmapped,
     ref_buffer,
     set_ref_buffer,
@@ -257,6 +258,16 @@ class _Plan:
                 self.out_placement.get(i, self.replicated) for i in range(sig.n_carry)
             ]
             jit_kwargs["out_shardings"] = ((outs, self.replicated), None)
+        else:
+            # Without a placement (`make_apply`, a step without `mesh=`), a carry
+            # input laid out on a multi-device mesh gets its output laid out alike:
+            # left to XLA, a replicated cell updated from sharded parameters (an
+            # EMA, BatchNorm statistics) came back sharded like them, and a ref-mode
+            # model no longer fit the mesh step that had laid it out.
+            kept = _kept_layout(dyn, sig)
+            if kept:
+                self.out_placement = kept
+                owner.multi_device = True
 
         def impl(donated: list, kept: list, argdyn: list, refs: list) -> Any:
             return self._impl(donated, kept, argdyn, refs)
@@ -381,9 +392,10 @@ class _Plan:
                 # how the next step computes with it, so the next call is traced
                 # for the new type.
                 if self.out_placement is not None:  # on a mesh: keep the layout
-                    o = slots[i] = constrain(
-                        o, self.out_placement.get(i, self.replicated)
-                    )
+                    target = self.out_placement.get(i, self.replicated)
+                    if target is not None:
+                        o = constrain(o, target)
+                    slots[i] = o
                 ret.append(o)
                 ret_pos.append(i)
             else:
@@ -451,6 +463,9 @@ class Compiled:
         self._warned_numbers = False
         self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
+        # whether a call without a placement was given arrays laid out on a
+        # multi-device mesh: its plans are then keyed by the carry's layout too
+        self.multi_device = False
 
     def note_trace(self, plan: _Plan, argdyn: list) -> None:
         """At trace time: warn once when a plan is traced again because its array
@@ -565,11 +580,12 @@ class Compiled:
         if len(set(map(ident, dyn))) != len(dyn):
             first: dict[Any, int] = {}
             alias = tuple(first.setdefault(ident(x), k) for k, x in enumerate(dyn))
-        pkey = (
-            (statics, alias)
-            if self.mesh is None
-            else (statics, alias, _where(dyn, sig))
-        )
+        if self.mesh is not None:
+            pkey: tuple = (statics, alias, _where(dyn, sig))
+        elif self.multi_device:  # `_Plan.__init__`: outputs keep the inputs' layout
+            pkey = (statics, alias, _layout_key(dyn, sig))
+        else:
+            pkey = (statics, alias)
         try:
             plan = sig.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
@@ -578,6 +594,8 @@ class Compiled:
             if sig.plans and statics:
                 self._note_numbers(sig, statics, leaves)
             plan = sig.plans[pkey] = _Plan(self, sig, statics, alias, dyn, leaves)
+            if self.multi_device and len(pkey) == 2:  # found by the next call's key
+                sig.plans[(statics, alias, _layout_key(dyn, sig))] = plan
         if plan.placement is not None:
             # On a mesh a consumed input is refused before the call: XLA crashes
             # the process on a deleted sharded buffer (off a mesh, JAX's error
@@ -616,6 +634,8 @@ class Compiled:
                 what = f"ref-mode state cell (one of {_named(sig, leaves, cells)})"
                 raise StateWriteError(unbatched_message(what, e)) from e
             _reraise(e, dyn, sig, leaves)
+            if (refs or sig.refbuf_idx) and is_incompatible_devices_error(e):
+                _refuse_refs_elsewhere(e, sig, leaves, dyn)
             if self.mesh is not None:
                 explain_sharding_error(e, self.mesh)
                 _check_refs_on_mesh(
@@ -898,6 +918,30 @@ def _indivisible_message(x: Any, sharding: Any) -> str | None:
     return None
 
 
+def _kept_layout(dyn: list, sig: _Signature) -> dict[int, Any]:
+    """The carry positions whose input is laid out on a multi-device mesh, with
+    that layout (`_Plan.__init__` lays their outputs out alike)."""
+    from jax.sharding import NamedSharding
+
+    kept = {}
+    for i, x in zip(sig.dyn_idx, dyn):
+        if i >= sig.n_carry or not isinstance(x, jax.Array) or isinstance(x, Tracer):
+            continue
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            kept[i] = sharding
+    return kept
+
+
+def _layout_key(dyn: list, sig: _Signature) -> tuple:
+    """The layout of the carry's arrays, for the plan key (see `_kept_layout`)."""
+    return tuple(
+        x.sharding if isinstance(x, jax.Array) and not isinstance(x, Tracer) else None
+        for i, x in zip(sig.dyn_idx, dyn)
+        if i < sig.n_carry
+    )
+
+
 def _where(dyn: list, layout: _Signature) -> tuple:
     """What decides where the arrays go on a mesh: the shapes of the carry's (a
     layout rule may look at them), the number of dimensions of the arguments'."""
@@ -1078,6 +1122,37 @@ _CONSUMED_NOTE = (
     "checkpoint, or build the step with `donate=False` to keep them valid while "
     "debugging."
 )
+
+
+def _refuse_refs_elsewhere(e: Exception, sig: _Signature, leaves: list, dyn: list):
+    """JAX refused a call whose inputs live on different devices: if ref-mode
+    cells live on devices none of the call's other arrays live on (a ref made on
+    the default device beside a model on a mesh), say so and how to make them
+    there (JAX cannot move a ref); otherwise JAX's error stands."""
+    refs = set(sig.ref_idx) | set(sig.refbuf_idx)
+    others = {
+        frozenset(x.sharding.device_set)
+        for i, x in zip(sig.dyn_idx, dyn)
+        if i not in refs
+        and isinstance(x, jax.Array)
+        and not isinstance(x, Tracer)
+        and x.committed  # an uncommitted array (a batch) goes where the call runs
+    }
+    bad = [
+        i
+        for i in sorted(refs)
+        if not isinstance(leaves[i], Tracer)
+        and frozenset(ref_buffer(leaves[i]).sharding.device_set) not in others
+    ]
+    if others and bad:
+        raise StepError(
+            f"The ref-mode state cells {_named(sig, leaves, bad)} live on other "
+            "devices than the call's other arrays, and JAX cannot move a ref. Make "
+            "the refs where the model is: `es.to_refs(es.place(model, mesh, "
+            "layout))` for a model on a mesh (after `es.nn.with_kv_cache` too, whose "
+            "new caches start on the default device), or `es.to_refs(model)` of the "
+            "placed value-mode model."
+        ) from e
 
 
 def _check_refs_on_mesh(e: Exception, refs: list, mesh: Any) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_message
-from ._compat import is_ref_in_filtered_transform, is_unmapped_ref_write
+from ._compat import Tracer, is_ref_in_filtered_transform, is_unmapped_ref_write
 from ._errors import (
     FILTERED_TRANSFORM_MESSAGE,
     StateTypeError,
@@ -247,9 +247,9 @@ def _selects(trainable: Callable[[Any], Any], param: Any) -> bool:
         jax.errors.TracerArrayConversionError,
     ) as e:
         raise StateTypeError(f"{advice} It read a value ({e}).") from e
-    if isinstance(chosen, jax.Array) or (
-        isinstance(chosen, np.ndarray) and chosen.ndim
-    ):  # a 0-d NumPy array of a shape test (`np.asarray(p.ndim > 1)`) is a bool
+    if isinstance(chosen, Tracer) or (
+        isinstance(chosen, jax.Array | np.ndarray) and chosen.ndim
+    ):  # a concrete 0-d array of a shape test (`np.asarray(p.ndim > 1)`) is a bool
         raise StateTypeError(
             f"{advice} It returned an array (shape {tuple(chosen.shape)}, dtype "
             f"{chosen.dtype}) for a parameter of shape {tuple(jnp.shape(param))}."

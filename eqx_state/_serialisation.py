@@ -27,7 +27,6 @@ from ._checkpoint import (
     _key_impl_of_dtype,
     _make_weak,
     saved_value,
-    saved_with_x64,
 )
 from ._modes import _WITNESS_DTYPE
 
@@ -167,9 +166,11 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
 
 
 def _refuse_x64(f: Any, held: Any) -> None:
-    """Refuse a 64-bit array saved with x64 on where this JAX runs without it: the
-    file's header says what was saved (`jnp.load` would cut it to 32 bits, and
-    Equinox's check compares the cut array), as `es.load` refuses it."""
+    """Refuse 64-bit integers that this JAX (without 64-bit types) would cut to 32
+    bits: `jnp.load` turns 2**40 + 7 into 7, and Equinox's check compares the cut
+    array. The file's header says what was saved; the values decide (a float64 is
+    rounded to float32 as Equinox rounds it; a count that fits loads), as `es.load`
+    refuses such a leaf."""
     if jax.config.read("jax_enable_x64"):
         return
     start = f.tell()
@@ -181,15 +182,26 @@ def _refuse_x64(f: Any, held: Any) -> None:
             else np.lib.format.read_array_header_2_0
         )
         saved = read(f)[2]
+        f.seek(start)
+        if not (
+            saved.kind in "iu"
+            and saved.itemsize == 8
+            and jax.dtypes.canonicalize_dtype(saved) == np.dtype(held)
+        ):
+            return
+        values = np.load(f)
     except ValueError:  # not an array: Equinox's reader says what it is
         return
     finally:
         f.seek(start)
-    wide = saved.kind in "iufc" and saved.itemsize == (16 if saved.kind == "c" else 8)
-    if wide and jax.dtypes.canonicalize_dtype(saved) == np.dtype(held):
+    info = np.iinfo(held)
+    if values.size and (values.min() < info.min or values.max() > info.max):
         raise CheckpointError(
-            f"A leaf of the file holds a JAX {saved.name} array, "
-            + saved_with_x64(held)
+            f"A leaf of the file holds {saved.name} values that {np.dtype(held).name} "
+            f"cannot hold (e.g. {values.max() if values.max() > info.max else values.min()}"
+            "): it was saved with 64-bit types on, or from NumPy data. Turn them on "
+            "before building the model and `like` (`jax.config.update("
+            "'jax_enable_x64', True)`)."
         )
 
 

@@ -317,8 +317,8 @@ def _checked(
 
 
 def _weak_like(new: jax.Array, old: Any) -> jax.Array:
-    """`new`, weakly typed where the model's leaf is (`jnp.asarray(0.5)`, the
-    alpha of `eqx.nn.PReLU`): loading keeps how the model computes with it (a
+    """`new`, weakly typed where the model's parameter is (`jnp.asarray(0.5)`,
+    the alpha of `eqx.nn.PReLU`): loading keeps how the model computes with it (a
     strong float32 scale would promote a bfloat16 model's activations), as
     `es.load` and the other paths keep it."""
     return _make_weak(new) if getattr(old, "weak_type", False) else new
@@ -425,8 +425,7 @@ class _Loader:
             is_key = _is_key_dtype(old.dtype)
             want = _key_data_shape(old) if is_key else old
             want = jax.ShapeDtypeStruct(want.shape, want.dtype)
-            new = _checked(value, name, want, _desc(cell))
-            new = _placed(new if is_key else _weak_like(new, old), old)
+            new = _placed(_checked(value, name, want, _desc(cell)), old)
             if is_key:
                 new = jax.random.wrap_key_data(new, impl=_key_impl(old))
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):

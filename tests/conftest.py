@@ -63,11 +63,16 @@ collect_ignore = ["multidevice"]
 
 
 def pytest_configure(config):
-    """A test picked by its node id (`pytest tests/nn/test_ema.py::test_x`) runs even
-    if it is slow: the default `-m 'not slow'` (pyproject's addopts) would deselect
-    it and run nothing."""
-    if config.option.markexpr == "not slow" and any(
-        "::" in str(a) for a in config.args
+    """Tests picked by their node ids (`pytest tests/nn/test_ema.py::test_x`, only
+    node ids and no `-m` of the command line's own) run even if slow: the default
+    `-m 'not slow'` (pyproject's addopts) would deselect them and run nothing."""
+    given = config.invocation_params.args  # what the command line says
+    picked = [str(a) for a in config.args]
+    if (
+        config.option.markexpr == "not slow"
+        and picked
+        and all("::" in a for a in picked)
+        and not any(str(a).startswith("-m") for a in given)
     ):
         config.option.markexpr = ""
 

@@ -119,6 +119,6 @@ def saturating_add(count: Array, n: ArrayLike) -> Array:
     (BatchNorm's `num_batches_tracked`, RunningNorm's, EMA's and Capture's). A
     count that wrapped would turn negative, and every weight computed from it
     (`1 / count`, `n / (count + n)`) with it."""
-    top = jnp.iinfo(count.dtype).max
+    top = jnp.asarray(jnp.iinfo(count.dtype).max, count.dtype)
     n = jnp.asarray(n, count.dtype)
-    return jnp.where(count > top - n, jnp.asarray(top, count.dtype), count + n)
+    return jnp.where(count > top - n, top, count + n)

@@ -7,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Num
 
 from .._buffer import BatchStat, _LayerBase, check_cell_dtype
@@ -318,5 +319,15 @@ def _combine(
     delta = mb.astype(dtype) - ma.astype(dtype)
     mean = ma.astype(dtype) + delta * wb
     var = va.astype(dtype) * wa + vb.astype(dtype) * wb + jnp.square(delta) * (wa * wb)
-    count = saturating_add(jnp.asarray(na, jnp.int32), jnp.asarray(nb, jnp.int32))
+    count = saturating_add(_as_int32_count(na), _as_int32_count(nb))
     return count, mean, var
+
+
+def _as_int32_count(n: Array) -> Array:
+    """A count (of any integer dtype, e.g. a uint32 cell) as int32, at most int32's
+    largest value: cut in its own dtype first, so that nothing wraps."""
+    top = np.iinfo(np.int32).max
+    n = jnp.asarray(n)
+    if jnp.iinfo(n.dtype).max > top:
+        n = jnp.minimum(n, jnp.asarray(top, n.dtype))
+    return n.astype(jnp.int32)

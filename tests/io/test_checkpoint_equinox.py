@@ -391,7 +391,7 @@ def test_es_filter_specs_refuse_a_64_bit_file_without_x64(tmp_path, mode):
         )
     cause = root_cause(info.value)
     assert isinstance(cause, es.CheckpointError)
-    assert "int64 array, saved with 64-bit types on" in str(cause)
+    assert "int64 values that int32 cannot hold (e.g. 1099511627783)" in str(cause)
     with jax.enable_x64(True):  # the fix it names works
         like = es.nn.Counter(dtype=jnp.int64)
         like = es.to_refs(like) if mode == "ref" else like
@@ -399,3 +399,23 @@ def test_es_filter_specs_refuse_a_64_bit_file_without_x64(tmp_path, mode):
             tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
         )
         assert int(got.count[...]) == 2**40 + 7
+
+
+def test_es_filter_specs_load_64_bit_values_that_fit_as_equinox_does(tmp_path):
+    """NumPy float64 / int64 data (or a count that fits) loaded into 32-bit leaves
+    without x64 is cast as Equinox casts it: only integers that 32 bits cannot
+    hold are refused (the reference: Equinox's own default spec)."""
+
+    class Saved(eqx.Module):
+        w: np.ndarray
+        n: np.ndarray
+
+    saved = Saved(np.asarray([0.1, 2.5]), np.asarray([3, -4], np.int64))
+    eqx.tree_serialise_leaves(tmp_path / "m.eqx", saved)
+    like = Saved(jnp.zeros(2), jnp.zeros(2, jnp.int32))  # pyright: ignore
+    want = eqx.tree_deserialise_leaves(tmp_path / "m.eqx", like)
+    got = eqx.tree_deserialise_leaves(
+        tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)

@@ -220,3 +220,59 @@ def test_a_new_batch_size_on_the_mesh_warns_once(mesh2x2):
     with pytest.warns(es.RecompileWarning, match=r"\(8, 6\)"):
         lin, opt_state = step(lin, opt_state, jnp.ones((4, 6)))
     assert step.trace_count == 2
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_make_apply_keeps_the_layout_of_the_state_it_writes(mesh2x2, mode):
+    """Train, recalibrate BatchNorm with `make_apply`, train on: the replicated
+    statistics came back from `make_apply` sharded like the parameters they were
+    computed from (XLA chose), and in ref mode the next step refused the model.
+    Every state leaf keeps its layout, and the numbers equal the same calls on
+    one device."""
+    layout = [(r"l1\.weight$", P("model", None)), (r"l2\.weight$", P(None, "model"))]
+    xs, ys = _data(2)
+    step = es.make_step(loss_fn, optax.sgd(0.1), mesh=mesh2x2, layout=layout)
+    recalibrate = es.make_apply(lambda m, x: m(x))
+    model = es.place(Net(jax.random.key(0)), mesh2x2, layout)
+    model = es.to_refs(model) if mode == "ref" else model
+    opt_state = step.init(model)
+    model, opt_state = step(model, opt_state, xs[0], ys[0])
+    before = [x.sharding for x in _arrays(model)]
+    _, model = recalibrate(model, xs[1])
+    for x, want in zip(_arrays(model), before, strict=True):
+        assert x.sharding.is_equivalent_to(want, x.ndim)
+    model, opt_state = step(model, opt_state, xs[1], ys[1])  # refused in ref mode
+    # one device: the same three calls
+    single = es.make_step(loss_fn, optax.sgd(0.1))
+    m = Net(jax.random.key(0))
+    s = single.init(m)
+    m, s = single(m, s, xs[0], ys[0])
+    _, m = es.make_apply(lambda m, x: m(x))(m, xs[1])
+    m, s = single(m, s, xs[1], ys[1])
+    for a, b in zip(_arrays(model), _arrays(m), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_ref_on_one_device_beside_a_model_on_the_mesh_names_the_fix(mesh2x2):
+    """`make_apply` (no mesh of its own) gave JAX's bare "Received incompatible
+    devices" for refs made on one device beside parameters on the mesh (the KV
+    cache idiom `es.to_refs(es.nn.with_kv_cache(placed_model, ...))`)."""
+    placed = es.place(Net(jax.random.key(0)), mesh2x2, LAYOUT)
+    dev = jax.devices()[0]
+    on_one = jax.tree.map(
+        lambda x: jax.device_put(x, dev) if eqx.is_array(x) else x, placed.bn
+    )
+    on_one = es.to_refs(on_one)  # the cells on one device, the affine on the mesh
+    on_one = eqx.tree_at(
+        lambda b: (b.weight, b.bias), on_one, (placed.bn.weight, placed.bn.bias)
+    )
+    model = eqx.tree_at(lambda m: m.bn, placed, on_one)
+    xs, _ = _data(1)
+    with pytest.raises(
+        es.StepError, match=r"`model\.bn\.running_mean`.*es\.to_refs\(es\.place\("
+    ):
+        es.make_apply(lambda m, x: m(x))(model, xs[0])
+    fixed = es.to_refs(es.place(es.freeze(model), mesh2x2, LAYOUT))
+    out, _ = es.make_apply(lambda m, x: m(x))(fixed, xs[0])
+    want, _ = es.apply(lambda m, x: m(x), Net(jax.random.key(0)), xs[0])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -573,3 +573,33 @@ def test_moments_narrower_than_32_bits_are_refused_and_float16_inputs_work(dtype
     np.testing.assert_allclose(norm.mean[...], exact.mean(0), rtol=1e-4)
     np.testing.assert_allclose(norm.var[...], exact.var(0), rtol=1e-3)
     assert np.isfinite(np.asarray(y, np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint32"])
+def test_the_layers_counts_saturate_in_every_integer_dtype(dtype):
+    """The one rule of the layers' counts (BatchNorm, RunningNorm, EMA, Capture):
+    `count + n` stops at the dtype's largest value, against NumPy in int64. A
+    uint32 count crashed on a Python int past int32."""
+    from eqx_state.nn._counter import saturating_add
+
+    top = int(np.iinfo(dtype).max)
+    counts = np.array([0, 5, top - 3, top - 1, top], dtype)
+    for n in (0, 1, 3, 7):
+        got = saturating_add(jnp.asarray(counts), n)
+        want = np.minimum(counts.astype(np.int64) + n, top).astype(dtype)
+        assert got.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_merge_of_wide_counts_saturates_at_int32():
+    """A uint32 count past int32 (a cell hand-edited or loaded so) merged into a
+    RunningNorm saturates at 2**31 - 1, as before the shared rule (it wrapped to
+    a negative count)."""
+    norm = es.nn.RunningNorm(2)
+    wide = eqx.tree_at(
+        lambda m: m.count.value, norm, jnp.asarray(3_000_000_000, jnp.uint32)
+    )
+    small = eqx.tree_at(lambda m: m.count.value, norm, jnp.asarray(5, jnp.int32))
+    merged = wide.merge(small)
+    assert merged.count[...].dtype == jnp.int32
+    assert int(merged.count[...]) == 2**31 - 1
