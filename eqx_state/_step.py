@@ -24,6 +24,7 @@ from ._dispatch import (
     check_carry_live,
 )
 from ._errors import ReadOnlyError, StateTypeError, StateValueError, check_int, is_whole
+from ._modes import check_tree_live
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import Layout, Placement, layout_rule, place, place_carry
 
@@ -177,6 +178,7 @@ class Step:
         step takes it: every copy of a parameter (Adam's moments, a momentum) like
         that parameter, the rest replicated.
         """
+        check_tree_live(model)  # consumed: named as every runner names it
         params = trainable_params(model, self.trainable)
         if self.mesh is None:
             return self.optimizer.init(params)

@@ -663,15 +663,17 @@ def test_a_stale_model_is_refused_by_every_forward_runner_before_it_writes(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_conversion_refuses_a_consumed_model_alike(mode):
-    """`freeze`, `to_refs`, `reset` and `inference_mode` of a model a step consumed
-    name its first consumed leaf; in ref mode `freeze` and `to_refs` handed back
+    """`freeze`, `to_refs`, `reset`, `inference_mode` and `step.init` of a model a
+    step consumed name its first consumed leaf; in ref mode `freeze` and `to_refs` handed back
     its dead parameters beside the live refs of the model the step returned."""
     model = Net(jax.random.key(0))
     model = es.to_refs(model) if mode == "ref" else model
     step = es.make_step(loss_fn, optax.sgd(0.1))
     xs, ys = data()
     step(model, step.init(model), xs[0], ys[0])  # consumes `model`
-    for convert in (es.freeze, es.to_refs, es.reset, es.inference_mode):
+    # `step.init` too: on one device Adam's init read only the shapes and made a
+    # state for a dead model; on a mesh it raised JAX's "Array has been deleted"
+    for convert in (es.freeze, es.to_refs, es.reset, es.inference_mode, step.init):
         with pytest.raises(es.StaleModelError, match=r"leaf `lin1\.layer\.weight`"):
             convert(model)
 
