@@ -54,6 +54,21 @@ def root_cause(e):
     return e
 
 
+def refused_save(path, tree):
+    """The error `es.serialise_filter_spec` raised saving `tree` (below Equinox's
+    `TreePathError`s)."""
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_serialise_leaves(path, tree, filter_spec=es.serialise_filter_spec)
+    return root_cause(info.value)
+
+
+def refused_load(path, like):
+    """The error `es.deserialise_filter_spec` raised loading into `like`."""
+    with pytest.raises(RuntimeError, match="Error at leaf") as info:
+        eqx.tree_deserialise_leaves(path, like, filter_spec=es.deserialise_filter_spec)
+    return root_cause(info.value)
+
+
 @functools.cache
 def trained(cls, mode):
     model = cls()
@@ -154,12 +169,9 @@ def test_es_filter_specs_refuse_a_consumed_model(tmp_path):
     model = Plain()
     step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(1e-2))
     step(model, step.init(model), jnp.ones((4, 3)))
-    with pytest.raises(RuntimeError, match="Error at leaf") as info:
-        eqx.tree_serialise_leaves(
-            tmp_path / "m.eqx", model, filter_spec=es.serialise_filter_spec
-        )
-    assert isinstance(root_cause(info.value), es.StaleModelError)
-    assert "donate=False" in str(root_cause(info.value))
+    cause = refused_save(tmp_path / "m.eqx", model)
+    assert isinstance(cause, es.StaleModelError)
+    assert "donate=False" in str(cause)
 
 
 def test_es_filter_specs_reject_a_different_ref_shape(tmp_path):
@@ -168,13 +180,8 @@ def test_es_filter_specs_reject_a_different_ref_shape(tmp_path):
         es.to_refs(es.nn.BatchNorm(3)),
         filter_spec=es.serialise_filter_spec,
     )
-    with pytest.raises(RuntimeError, match="Error at leaf") as info:
-        eqx.tree_deserialise_leaves(
-            tmp_path / "m.eqx",
-            es.to_refs(es.nn.BatchNorm(4)),
-            filter_spec=es.deserialise_filter_spec,
-        )
-    assert isinstance(root_cause(info.value), es.CheckpointError)
+    cause = refused_load(tmp_path / "m.eqx", es.to_refs(es.nn.BatchNorm(4)))
+    assert isinstance(cause, es.CheckpointError)
 
 
 @pytest.mark.parametrize(
@@ -194,11 +201,7 @@ def test_es_filter_specs_reject_a_different_ref_dtype(tmp_path, saved, loaded):
         eqx.tree_deserialise_leaves(
             tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
         )
-    with pytest.raises(RuntimeError, match="Error at leaf") as info:
-        eqx.tree_deserialise_leaves(
-            tmp_path / "m.eqx", es.to_refs(like), filter_spec=es.deserialise_filter_spec
-        )
-    cause = root_cause(info.value)
+    cause = refused_load(tmp_path / "m.eqx", es.to_refs(like))
     assert isinstance(cause, es.CheckpointError)
     assert f"{jnp.dtype(loaded)}[3] was saved as {jnp.dtype(saved)}[3]" in str(cause)
 
@@ -212,11 +215,7 @@ def test_es_filter_specs_refuse_a_dtype_numpy_files_cannot_hold(tmp_path, dtype,
     `es.save`, which round-trips it bit for bit."""
     cell = es.Buffer(jnp.asarray([1.0, -2.0, 0.5], jnp.float32).astype(dtype))
     model = es.to_refs(cell) if mode == "ref" else cell
-    with pytest.raises(RuntimeError, match="Error at leaf") as info:
-        eqx.tree_serialise_leaves(
-            tmp_path / "m.eqx", model, filter_spec=es.serialise_filter_spec
-        )
-    cause = root_cause(info.value)
+    cause = refused_save(tmp_path / "m.eqx", model)
     assert isinstance(cause, es.CheckpointError)
     assert f"no {jnp.dtype(dtype)}" in str(cause) and "es.save" in str(cause)
     es.save(tmp_path / "c", model)
@@ -385,11 +384,7 @@ def test_es_filter_specs_refuse_a_64_bit_file_without_x64(tmp_path, mode):
         )
     like = es.nn.Counter()  # int32 without x64
     like = es.to_refs(like) if mode == "ref" else like
-    with pytest.raises(RuntimeError, match="Error at leaf") as info:
-        eqx.tree_deserialise_leaves(
-            tmp_path / "m.eqx", like, filter_spec=es.deserialise_filter_spec
-        )
-    cause = root_cause(info.value)
+    cause = refused_load(tmp_path / "m.eqx", like)
     assert isinstance(cause, es.CheckpointError)
     assert "int64 values that int32 cannot hold (e.g. 1099511627783)" in str(cause)
     with jax.enable_x64(True):  # the fix it names works
