@@ -267,7 +267,6 @@ class _Plan:
             kept = _kept_layout(dyn, sig)
             if kept:
                 self.out_placement = kept
-                owner.multi_device = True
 
         def impl(donated: list, kept: list, argdyn: list, refs: list) -> Any:
             return self._impl(donated, kept, argdyn, refs)
@@ -463,9 +462,10 @@ class Compiled:
         self._warned_numbers = False
         self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
-        # whether a call without a placement was given arrays laid out on a
-        # multi-device mesh: its plans are then keyed by the carry's layout too
-        self.multi_device = False
+        # whether this process has several devices (read at the first call: JAX's
+        # backend may not be up when the step is built): a call without a
+        # placement then keys its plans by the layout of a carry on a mesh too
+        self._several_devices: bool | None = None
 
     def note_trace(self, plan: _Plan, argdyn: list) -> None:
         """At trace time: warn once when a plan is traced again because its array
@@ -582,10 +582,15 @@ class Compiled:
             alias = tuple(first.setdefault(ident(x), k) for k, x in enumerate(dyn))
         if self.mesh is not None:
             pkey: tuple = (statics, alias, _where(dyn, sig))
-        elif self.multi_device:  # `_Plan.__init__`: outputs keep the inputs' layout
-            pkey = (statics, alias, _layout_key(dyn, sig))
         else:
             pkey = (statics, alias)
+            several = self._several_devices
+            if several is None:
+                several = self._several_devices = jax.device_count() > 1
+            if several:  # `_Plan.__init__`: outputs keep a mesh input's layout
+                layout = _layout_key(dyn, sig)
+                if layout is not None:
+                    pkey = (statics, alias, layout)
         try:
             plan = sig.plans.get(pkey)
         except TypeError as e:  # an unhashable static leaf
@@ -594,8 +599,6 @@ class Compiled:
             if sig.plans and statics:
                 self._note_numbers(sig, statics, leaves)
             plan = sig.plans[pkey] = _Plan(self, sig, statics, alias, dyn, leaves)
-            if self.multi_device and len(pkey) == 2:  # found by the next call's key
-                sig.plans[(statics, alias, _layout_key(dyn, sig))] = plan
         if plan.placement is not None:
             # On a mesh a consumed input is refused before the call: XLA crashes
             # the process on a deleted sharded buffer (off a mesh, JAX's error
@@ -933,13 +936,30 @@ def _kept_layout(dyn: list, sig: _Signature) -> dict[int, Any]:
     return kept
 
 
-def _layout_key(dyn: list, sig: _Signature) -> tuple:
-    """The layout of the carry's arrays, for the plan key (see `_kept_layout`)."""
-    return tuple(
-        x.sharding if isinstance(x, jax.Array) and not isinstance(x, Tracer) else None
-        for i, x in zip(sig.dyn_idx, dyn)
-        if i < sig.n_carry
-    )
+def _layout_key(dyn: list, sig: _Signature) -> tuple | None:
+    """The layout of the carry's arrays on a multi-device mesh, for the plan key
+    (see `_kept_layout`), or None when none is: by mesh and partition, trailing
+    unsplit dimensions left out (JAX hands back `P()` of an input as
+    `P(None, None)`, the same layout). Read on every call of a process with
+    several devices, so that a plan compiled for one layout (or for one device)
+    is not reused for another."""
+    from jax.sharding import NamedSharding
+
+    key: list = []
+    on_mesh = False
+    for i, x in zip(sig.dyn_idx, dyn):
+        if i >= sig.n_carry:
+            break
+        s = getattr(x, "sharding", None) if not isinstance(x, Tracer) else None
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            spec = list(s.spec)
+            while spec and spec[-1] is None:
+                spec.pop()
+            key.append((s.mesh, tuple(spec), s.memory_kind))
+            on_mesh = True
+        else:
+            key.append(None)
+    return tuple(key) if on_mesh else None
 
 
 def _where(dyn: list, layout: _Signature) -> tuple:
@@ -1126,17 +1146,18 @@ _CONSUMED_NOTE = (
 
 def _refuse_refs_elsewhere(e: Exception, sig: _Signature, leaves: list, dyn: list):
     """JAX refused a call whose inputs live on different devices: if ref-mode
-    cells live on devices none of the call's other arrays live on (a ref made on
+    cells live on devices none of the model's other arrays live on (a ref made on
     the default device beside a model on a mesh), say so and how to make them
     there (JAX cannot move a ref); otherwise JAX's error stands."""
     refs = set(sig.ref_idx) | set(sig.refbuf_idx)
-    others = {
+    others = {  # the model's own arrays (an argument elsewhere is JAX's error)
         frozenset(x.sharding.device_set)
         for i, x in zip(sig.dyn_idx, dyn)
-        if i not in refs
+        if i < sig.n_carry
+        and i not in refs
         and isinstance(x, jax.Array)
         and not isinstance(x, Tracer)
-        and x.committed  # an uncommitted array (a batch) goes where the call runs
+        and x.committed  # an uncommitted array goes where the call runs
     }
     bad = [
         i

@@ -211,10 +211,21 @@ def _fit(what: str, a: Array, shape: tuple[int, ...]) -> Array:
 
 
 def _truthy(a: Any) -> Array:
-    """`a != 0` as a bool array (without mixing bool and int under strict dtype
-    promotion)."""
+    """A `mask=` as a bool array: a bool mask as it is, an integer one as `a != 0`
+    (without mixing bool and int under strict dtype promotion). A floating or
+    complex mask is refused: 0.5 or NaN is no answer to "does this entry count"
+    (a fraction is a weight: `sample_weight=`)."""
     a = jnp.asarray(a)
-    return a if a.dtype == jnp.bool_ else a != jnp.zeros((), a.dtype)
+    if a.dtype == jnp.bool_:
+        return a
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise StateTypeError(
+            f"mask= must be boolean (True where an entry counts), or integers "
+            f"(nonzero counts); got {a.dtype}. A fractional weight goes in "
+            "`sample_weight=`; for a mask, e.g. `mask=lengths[:, None] > "
+            "jnp.arange(T)`."
+        )
+    return a != jnp.zeros((), a.dtype)
 
 
 def _kept(like: Array, mask: Any) -> Array:
@@ -255,7 +266,11 @@ _DTYPE_KINDS = {
 
 def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
     """`dtype` if a metric of this `kind` (a key of `_DTYPE_KINDS`) may keep its
-    statistics in it, else a ValueError that says which dtypes are accepted."""
+    statistics in it, else a ValueError that says which dtypes are accepted.
+    `None` is the default, float32 (as JAX reads `dtype=None`; it made integer
+    statistics from the statistics' integer fill)."""
+    if dtype is None:
+        return jnp.dtype(jnp.float32)
     try:
         d = jnp.dtype(dtype)
     except TypeError:

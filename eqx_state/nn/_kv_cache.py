@@ -173,6 +173,19 @@ class KVCache(_LayerBase):
                 f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."
             )
         dtype = jnp.float32 if dtype is None else dtype
+        try:
+            name = jnp.dtype(dtype).name
+            inexact = jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
+        except TypeError:
+            name, inexact = repr(dtype), False
+        if not inexact:
+            # keys and values are cast into the cache: an integer cache would
+            # truncate 1.7 to 1 without a word
+            raise StateTypeError(
+                f"KVCache: dtype must be a floating (or complex) dtype, got "
+                f"{name}. Keys and values are cast to it; the default is "
+                "jnp.float32."
+            )
         shape = (num_heads, max_len, head_dim)
         self.keys = Cache(jnp.zeros(shape, dtype), init=0)
         self.values = Cache(jnp.zeros(shape, dtype), init=0)

@@ -213,8 +213,8 @@ class Dropout(_LayerBase):
     ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)) it returns `x`
     unchanged and draws nothing, so no state is written. With `p=0` (identity) or
     `p=1` (zeros) the output does not depend on a mask, so nothing is drawn either.
-    A dropped entry is `x * 0`, as in PyTorch: NaN where `x` is NaN or infinite
-    (a kept infinite entry stays infinite).
+    A dropped entry is 0, and NaN where `x` is NaN or infinite, as PyTorch's
+    `x * mask * scale` gives (a kept infinite entry stays infinite).
 
     Call it on the whole batch: the mask has the shape of `x`, so every example
     gets its own. For per-example calls, map the model with
@@ -337,7 +337,11 @@ class Dropout(_LayerBase):
             kept = x * jnp.asarray(1.0 / q, x.dtype)
         else:
             kept = x / jnp.asarray(q, x.dtype)
-        # a dropped entry is `x * 0`, as PyTorch's `x * mask * scale`: 0 (of x's
-        # sign), and NaN where `x` is NaN or infinite, so a diverged activation
-        # stays visible (docs/misuse.md, "NaN and Inf in a batch")
-        return jnp.where(mask, kept, x * jnp.zeros((), x.dtype))
+        out = jnp.where(mask, kept, jnp.zeros((), x.dtype))
+        # A dropped entry that is NaN or infinite gives NaN, as PyTorch's `x * mask
+        # * scale` (`inf * 0`), so a diverged activation stays visible (docs/
+        # misuse.md, "NaN and Inf in a batch"). Selected by `x`'s own finiteness:
+        # a select between `kept` and `x * 0` by the mask alone is refused on a
+        # mesh with explicit axes (the mask is drawn replicated, `x` is sharded).
+        nan = jnp.asarray(jnp.nan, x.dtype)
+        return jnp.where(jnp.isfinite(x), out, jnp.where(mask, kept, nan))

@@ -359,7 +359,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="average='macro'"):
         esm.Precision(5)
     with pytest.raises(ValueError, match="does not fit values of shape"):
-        es.to_refs(esm.Mean()).update(jnp.ones((4, 2)), mask=jnp.ones(3))
+        es.to_refs(esm.Mean()).update(jnp.ones((4, 2)), mask=jnp.ones(3, bool))
     with pytest.raises(ValueError, match="LastValue"):
         es.to_refs(esm.LastValue(shape=(3,))).update(jnp.ones((2, 4)))
 
