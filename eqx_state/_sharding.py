@@ -242,6 +242,16 @@ def _placed(tree: Any, shardings: list) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def check_mesh(where: str, mesh: Any) -> None:
+    """The one check of a `mesh=` argument: a `jax.sharding.Mesh` (JAX's own
+    errors for anything else name no argument)."""
+    if not isinstance(mesh, Mesh):
+        raise StateTypeError(
+            f"{where}: mesh must be a jax.sharding.Mesh (e.g. "
+            f"`jax.make_mesh((n,), ('data',))`), got {type(mesh).__name__}."
+        )
+
+
 def place(model: Any, mesh: Mesh, layout: Layout = None) -> Any:
     """Lay `model` out on `mesh`: every array is put where `layout` says (replicated
     where it says nothing), as a step with the same mesh and layout takes it.
@@ -281,6 +291,7 @@ def place(model: Any, mesh: Mesh, layout: Layout = None) -> Any:
     assert lin.weight.sharding.spec == P("model", None)
     ```
     """
+    check_mesh("eqx_state.place", mesh)
     specs, _ = _model_specs(model, mesh, layout)
     return _placed(
         model, [None if s is None else NamedSharding(mesh, s) for s in specs]
@@ -411,6 +422,7 @@ def global_batch(
     assert x.shape == (8, 2)
     ```
     """
+    check_mesh("eqx_state.global_batch", mesh)
     if data_axis not in mesh.axis_names:
         raise StateValueError(
             f"global_batch: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "
@@ -454,6 +466,7 @@ def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> sl
     processes that split the data axis in halves, `slice(0, B/2)` in process 0 and
     `slice(B/2, B)` in process 1.
     """
+    check_mesh("eqx_state.process_slice", mesh)
     if data_axis not in mesh.axis_names:
         raise StateValueError(
             f"process_slice: the mesh has axes {mesh.axis_names}, not {data_axis!r}."

@@ -26,7 +26,14 @@ from ._dispatch import (
 from ._errors import ReadOnlyError, StateTypeError, StateValueError, check_int, is_whole
 from ._modes import check_tree_live
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
-from ._sharding import Layout, Placement, layout_rule, place, place_carry
+from ._sharding import (
+    Layout,
+    Placement,
+    check_mesh,
+    layout_rule,
+    place,
+    place_carry,
+)
 
 
 class Step:
@@ -93,6 +100,8 @@ class Step:
                 1,
                 hint="None (the default) runs each batch in one piece.",
             )
+        if mesh is not None:
+            check_mesh("make_step", mesh)
         if mesh is not None and data_axis not in mesh.axis_names:
             raise StateValueError(
                 f"make_step: the mesh has axes {mesh.axis_names}, not {data_axis!r}. "

@@ -362,6 +362,7 @@ class _AveragedMetric(_ConfusionMetric):
             raise StateValueError(
                 f"{name}: average must be one of {_AVERAGES}, got {average!r}."
             )
+        num_classes = _check_int(name, "num_classes", num_classes, 1)
         if average == "binary" and (num_classes != 2 or multilabel):
             raise StateValueError(
                 f"{name}(num_classes={num_classes}, average='binary'): the binary "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -52,6 +52,12 @@ class Metrics(_LayerBase):
     names: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(self, metrics: dict[str, Any] | None = None, /, **named: Any):
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise StateTypeError(
+                "Metrics takes a dict from names to metrics, or the metrics as "
+                f"keyword arguments (`Metrics(loss=Mean())`); got "
+                f"{type(metrics).__name__}."
+            )
         members = dict(metrics or {})
         for name, metric in named.items():
             if name in members:
@@ -104,6 +110,12 @@ class Metrics(_LayerBase):
         - `mask`: passed as `mask=` to every metric updated in this call (e.g. the
             padding mask of the batch), unless its arguments set their own.
         """
+        if values is not None and not isinstance(values, Mapping):
+            raise StateTypeError(
+                "Metrics.update takes each metric's arguments by its name "
+                "(`metrics.update(loss=loss, acc=(logits, labels))`, or a dict from "
+                f"names to arguments); got a {type(values).__name__}."
+            )
         given = dict(values or {})
         given.update(named)
         unknown = [name for name in given if name not in self.metrics]

@@ -1178,3 +1178,74 @@ def test_an_escaped_tracer_given_to_a_step_is_named():
             sgd.init(eqx.filter(es.nn.BatchNorm(3), eqx.is_array)),
             jnp.ones((4, 3)),
         )
+
+
+@pytest.mark.parametrize(
+    "call, kind, match",
+    [
+        # a mesh that is no mesh: JAX's AttributeError / TypeError named no argument
+        (
+            lambda: es.place(eqx.nn.Linear(2, 2, key=jax.random.key(0)), None),
+            TypeError,
+            "mesh must be",
+        ),
+        (lambda: es.global_batch(jnp.ones(4), None), TypeError, "mesh must be"),
+        (lambda: es.process_slice(4, None), TypeError, "mesh must be"),
+        (
+            lambda: es.make_step(lambda m: 0.0, optax.sgd(0.1), mesh="abc"),
+            TypeError,
+            "mesh must be",
+        ),
+        # a macro average without a class count: Python's "'>' not supported"
+        (
+            lambda: es.metrics.Precision(None, average="macro"),
+            TypeError,
+            "num_classes must be an int",
+        ),
+        # a collection built or updated without names
+        (lambda: es.metrics.Metrics("abc"), TypeError, "keyword arguments"),
+        (
+            lambda: es.to_refs(es.metrics.Metrics(a=es.metrics.Mean())).update(3.0),
+            TypeError,
+            "by its name",
+        ),
+        # statistics that would truncate or count fractions
+        (lambda: es.nn.KVCache(8, 2, 4, dtype=jnp.int32), TypeError, "floating"),
+        (
+            lambda: es.to_refs(es.metrics.Mean()).update(
+                jnp.ones(2), mask=jnp.array([0.5, 0.0])
+            ),
+            TypeError,
+            "sample_weight",
+        ),
+    ],
+)
+def test_an_api_sweep_of_wrong_arguments_names_the_argument(call, kind, match):
+    """From a sweep of every public callable with wrong arguments: each raised a raw
+    Python or JAX error from inside eqx_state, or (the cache, the mask) accepted
+    the value and computed with it silently. (The suite's run-time type checker
+    would refuse an argument of the wrong annotated type first: it is off here, as
+    for a user.)"""
+    import jaxtyping
+
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        with pytest.raises(kind, match=match) as info:
+            call()
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)
+    assert isinstance(info.value, es.EqxStateError)
+
+
+def test_a_metric_with_dtype_none_keeps_float32_statistics():
+    """`dtype=None` is JAX's "the default": it made int32 statistics (from the
+    statistics' integer fill) that then refused float updates."""
+    mean = es.to_refs(es.metrics.Mean(dtype=None))
+    mean.update(jnp.asarray([1.5, 2.0]))
+    assert float(mean.compute()) == 1.75
+    assert all(
+        leaf.dtype == jnp.float32
+        for leaf in jax.tree.leaves(es.freeze(mean))
+        if hasattr(leaf, "dtype")
+    )
