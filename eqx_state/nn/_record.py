@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._buffer import RecordState, _is_ref, _LayerBase, is_state
-from .._errors import StateTypeError, StateValueError, StateWriteError
+from .._errors import StateTypeError, StateValueError, StateWriteError, is_whole
 from .._modes import freeze
 from .._vmap import mapped_axes
 from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
@@ -356,8 +356,17 @@ class Record(Recorder):
             built[name] = jax.tree.map(
                 lambda a: jnp.array(a, copy=True) if eqx.is_array(a) else a, freeze(m)
             )
-        if isinstance(batch_axis, int):
-            batch_axis = (batch_axis,)
+        if is_whole(batch_axis):
+            batch_axis = (batch_axis,)  # pyright: ignore[reportAssignmentType]
+        if batch_axis is not None and not (
+            isinstance(batch_axis, tuple | list)
+            and all(map(is_whole, batch_axis))
+            and len(set(batch_axis)) == len(batch_axis)
+        ):
+            raise StateTypeError(
+                "Record: batch_axis must be an int or a tuple of distinct ints (the "
+                f"axes of a value that hold examples), got {batch_axis!r}."
+            )
         recorded = {k: _as_recorded(built[k]) for k in names}
         self.metrics = {k: m for k, (m, _) in recorded.items()}
         self.rules = tuple(r for _, r in recorded.values())
@@ -365,7 +374,7 @@ class Record(Recorder):
         self.names = names
         self.custom = frozenset(metrics)
         self.axis_name = axis_name
-        self.batch_axis = None if batch_axis is None else tuple(batch_axis)
+        self.batch_axis = None if batch_axis is None else tuple(map(int, batch_axis))
         self.dtype = jnp.dtype(dtype)
         self.shapes = tuple(tuple(c.shape) for c in _cells(self.metrics))
 
@@ -612,12 +621,12 @@ class Capture(Recorder):
         axis_name: Hashable | None = None,
         inference: bool = False,
     ):
-        try:
-            shape = tuple(int(s) for s in shape)
-        except TypeError:
+        if not isinstance(shape, tuple | list) or not all(map(is_whole, shape)):
+            # `int(2.5)` would make a capture of another shape without a word
             raise StateTypeError(
                 f"Capture: shape must be a tuple of ints, got {shape!r}."
-            ) from None
+            )
+        shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise StateValueError(f"Capture: shape must be non-negative, got {shape}.")
         init = False if jnp.dtype(dtype) == jnp.bool_ else 0

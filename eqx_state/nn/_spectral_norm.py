@@ -181,6 +181,12 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
         self.layer = layer
         self.weight_name = weight_name
         self.n_power_iterations = n_power_iterations
+        if not (0 < eps < float("inf")):
+            # a vector's norm is divided by max(norm, eps): eps <= 0 divides a zero
+            # vector by 0, an infinite eps zeroes every vector
+            raise StateValueError(
+                f"SpectralNorm: eps must be positive and finite, got {eps}."
+            )
         self.eps = eps
         self.dim = dim % weight.ndim
         grouped = isinstance(layer, eqx.nn.ConvTranspose) and self.dim == 0

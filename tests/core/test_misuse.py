@@ -1218,6 +1218,27 @@ def test_an_escaped_tracer_given_to_a_step_is_named():
             TypeError,
             "sample_weight",
         ),
+        # accepted, and computed something else without a word
+        (lambda: es.nn.Capture((2.5,)), TypeError, "tuple of ints"),
+        (
+            lambda: es.nn.Record("dead_fraction", batch_axis="abc"),
+            TypeError,
+            "batch_axis",
+        ),
+        (
+            lambda: es.nn.Record("dead_fraction", batch_axis=(0, 0)),
+            TypeError,
+            "distinct",
+        ),
+        (
+            lambda: es.nn.SpectralNorm(
+                eqx.nn.Linear(3, 3, key=jax.random.key(0)),
+                eps=-1.0,
+                key=jax.random.key(1),
+            ),
+            ValueError,
+            "positive and finite",
+        ),
     ],
 )
 def test_an_api_sweep_of_wrong_arguments_names_the_argument(call, kind, match):
