@@ -921,19 +921,26 @@ def _indivisible_message(x: Any, sharding: Any) -> str | None:
     return None
 
 
+def _mesh_shardings(dyn: list, sig: _Signature) -> list[tuple[int, Any]]:
+    """Each carry position with its input's sharding when that input is laid out
+    on a multi-device mesh, else None: the one reading of the carry's layout for
+    `_kept_layout` and `_layout_key`."""
+    from jax.sharding import NamedSharding
+
+    out = []
+    for i, x in zip(sig.dyn_idx, dyn):
+        if i >= sig.n_carry:
+            break
+        s = getattr(x, "sharding", None) if not isinstance(x, Tracer) else None
+        on_mesh = isinstance(s, NamedSharding) and s.mesh.size > 1
+        out.append((i, s if on_mesh else None))
+    return out
+
+
 def _kept_layout(dyn: list, sig: _Signature) -> dict[int, Any]:
     """The carry positions whose input is laid out on a multi-device mesh, with
     that layout (`_Plan.__init__` lays their outputs out alike)."""
-    from jax.sharding import NamedSharding
-
-    kept = {}
-    for i, x in zip(sig.dyn_idx, dyn):
-        if i >= sig.n_carry or not isinstance(x, jax.Array) or isinstance(x, Tracer):
-            continue
-        sharding = x.sharding
-        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-            kept[i] = sharding
-    return kept
+    return {i: s for i, s in _mesh_shardings(dyn, sig) if s is not None}
 
 
 def _layout_key(dyn: list, sig: _Signature) -> tuple | None:
@@ -943,23 +950,16 @@ def _layout_key(dyn: list, sig: _Signature) -> tuple | None:
     `P(None, None)`, the same layout). Read on every call of a process with
     several devices, so that a plan compiled for one layout (or for one device)
     is not reused for another."""
-    from jax.sharding import NamedSharding
-
     key: list = []
-    on_mesh = False
-    for i, x in zip(sig.dyn_idx, dyn):
-        if i >= sig.n_carry:
-            break
-        s = getattr(x, "sharding", None) if not isinstance(x, Tracer) else None
-        if isinstance(s, NamedSharding) and s.mesh.size > 1:
-            spec = list(s.spec)
-            while spec and spec[-1] is None:
-                spec.pop()
-            key.append((s.mesh, tuple(spec), s.memory_kind))
-            on_mesh = True
-        else:
+    for _, s in _mesh_shardings(dyn, sig):
+        if s is None:
             key.append(None)
-    return tuple(key) if on_mesh else None
+            continue
+        spec = list(s.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        key.append((s.mesh, tuple(spec), s.memory_kind))
+    return tuple(key) if any(k is not None for k in key) else None
 
 
 def _where(dyn: list, layout: _Signature) -> tuple:

@@ -233,6 +233,8 @@ def test_make_apply_keeps_the_layout_of_the_state_it_writes(mesh2x2, mode):
     xs, ys = _data(2)
     step = es.make_step(loss_fn, optax.sgd(0.1), mesh=mesh2x2, layout=layout)
     recalibrate = es.make_apply(lambda m, x: m(x))
+    # compiled first for a model on one device: its plan is not reused on the mesh
+    recalibrate(Net(jax.random.key(0)), jax.device_put(xs[1], jax.devices()[0]))
     model = es.place(Net(jax.random.key(0)), mesh2x2, layout)
     model = es.to_refs(model) if mode == "ref" else model
     opt_state = step.init(model)
