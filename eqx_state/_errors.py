@@ -7,6 +7,7 @@ ValueError` clauses keep working.
 """
 
 import numbers
+from typing import Any
 
 import jax
 import numpy as np
@@ -190,6 +191,45 @@ def check_int(
         )
         raise StateValueError(f"{where}: {name} must be {bound}, got {value}.{hint}")
     return int(value)  # type: ignore[arg-type]
+
+
+def check_bool(where: str, name: str, value: object) -> bool:
+    """The one check of a flag argument (`affine=`, `inference=`, ...): `value` as
+    a Python bool if it is one or a NumPy bool scalar; else a `StateTypeError`
+    naming `where` and `name` (a truthy string or a number would pick a branch
+    without a word: `affine="no"` made an affine layer)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise StateTypeError(
+        f"{where}: {name} must be True or False, got {value!r} of type "
+        f"{type(value).__name__}."
+    )
+
+
+def check_dtype(where: str, name: str, dtype: object) -> Any:
+    """The one check of a `dtype=` argument: `dtype` as a NumPy dtype (anything
+    `jnp.dtype` takes: `jnp.float32`, `"bfloat16"`, `np.dtype(...)`); else a
+    `StateTypeError` naming `where` and `name`. The kind (floating, integer) is the
+    caller's to check."""
+    try:
+        return jax.numpy.dtype(dtype)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise StateTypeError(
+            f"{where}: {name} must be a dtype (e.g. `jnp.float32`), got {dtype!r}."
+        ) from e
+
+
+def check_shape(where: str, name: str, shape: object) -> tuple[int, ...]:
+    """The one check of a `shape=` argument: a tuple or list of whole numbers, each
+    non-negative (`is_whole`: `int(2.5)` would make another shape without a word),
+    as a tuple of ints; else a `StateTypeError` / `StateValueError` naming `where`
+    and `name`."""
+    if not isinstance(shape, tuple | list) or not all(map(is_whole, shape)):
+        raise StateTypeError(f"{where}: {name} must be a tuple of ints, got {shape!r}.")
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise StateValueError(f"{where}: {name} must be non-negative, got {dims}.")
+    return dims
 
 
 def check_real(where: str, name: str, value: object, hint: str = "") -> float:

@@ -119,6 +119,12 @@ def inference_mode(
     ```
     """
     keep = _as_predicate(only)
+    if where is not None and not callable(where):
+        raise StateTypeError(
+            "inference_mode: `where` must be a function that selects the part(s) "
+            f"of the model to switch, as for `eqx.tree_at` (`where=lambda m: "
+            f"m.backbone`), got {type(where).__name__}."
+        )
     if isinstance(value, np.bool_):  # a flag read from a NumPy array of flags
         value = bool(value)
     if not isinstance(value, bool):

@@ -31,7 +31,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._buffer import _is_ref, is_state
 from ._compat import Tracer
-from ._errors import StateError, StateTypeError, StateValueError, StepError
+from ._errors import (
+    StateError,
+    StateTypeError,
+    StateValueError,
+    StepError,
+    check_int,
+)
 from ._modes import path_str
 
 
@@ -467,6 +473,7 @@ def process_slice(batch_size: int, mesh: Mesh, *, data_axis: str = "data") -> sl
     `slice(B/2, B)` in process 1.
     """
     check_mesh("eqx_state.process_slice", mesh)
+    batch_size = check_int("process_slice", "batch_size", batch_size, 1)
     if data_axis not in mesh.axis_names:
         raise StateValueError(
             f"process_slice: the mesh has axes {mesh.axis_names}, not {data_axis!r}."

@@ -23,7 +23,14 @@ from ._dispatch import (
     cells_only,
     check_carry_live,
 )
-from ._errors import ReadOnlyError, StateTypeError, StateValueError, check_int, is_whole
+from ._errors import (
+    ReadOnlyError,
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    check_int,
+    is_whole,
+)
 from ._modes import check_tree_live
 from ._pure import apply_call, run_scan, scan_calls, train_step, trainable_mask
 from ._sharding import (
@@ -392,10 +399,7 @@ def check_options(
             f"{where}: the function must be callable, got {type(fn).__name__}."
         )
     for name, value in flags.items():
-        if not isinstance(value, bool | np.bool_):
-            raise StateTypeError(
-                f"{where}: `{name}` must be True or False, got {value!r}."
-            )
+        check_bool(where, f"`{name}`", value)
     if not isinstance(scan_unroll, bool | np.bool_) and not (
         is_whole(scan_unroll) and scan_unroll >= 1
     ):

@@ -137,9 +137,14 @@ def vmap(
                 shape = jnp.shape(leaf)
                 where = f"argument {i}" + (f" at {path_str(path)}" if path else "")
                 if not -len(shape) <= ax < len(shape):
+                    has = (
+                        f"has shape {shape}"
+                        if hasattr(leaf, "shape")
+                        else f"is a {type(leaf).__name__}, not an array"
+                    )
                     raise StateValueError(
-                        f"es.vmap: in_axes entry {i} is {ax}, but {where} has shape "
-                        f"{shape}, with no axis {ax} to map. Give that argument's "
+                        f"es.vmap: in_axes entry {i} is {ax}, but {where} {has}, "
+                        f"with no axis {ax} to map. Give that argument's "
                         "mapped axis, or `None` to pass it whole to every example."
                     )
                 if size is None:

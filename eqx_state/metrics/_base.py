@@ -24,7 +24,9 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_dtype,
     check_int,
+    check_shape,
 )
 from .._vmap import mapped_axes, varies_per_example
 
@@ -145,6 +147,8 @@ def statistic(
             f"statistic: merge must be one of {_MERGES} or a function (a, b) -> "
             f"merged, got {merge!r}."
         )
+    shape = check_shape("statistic", "shape", shape)
+    dtype = check_dtype("statistic", "dtype", dtype)
     if init is None:
         init = _default_init(merge, dtype)
     if not isinstance(init, (bool, int, float)):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Integer, Real, Shaped
 
 from .._buffer import MetricState
-from .._errors import StateValueError
+from .._errors import StateValueError, check_bool
 from ._base import (
     ConfusionArray,
     Metric,
@@ -101,7 +101,7 @@ class _ConfusionMetric(Metric):
         self.num_classes = num_classes
         self.top_k = top_k
         self.threshold = _check_threshold(name, threshold)
-        self.multilabel = multilabel
+        self.multilabel = check_bool(type(self).__name__, "multilabel", multilabel)
         self.ignore_index = _check_ignore_index(name, ignore_index)
         dtype = _check_dtype(name, dtype, "counts")
         shape = (num_classes, 2, 2) if multilabel else (num_classes, num_classes)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from .._errors import StateTypeError, StateValueError, check_real
+from .._errors import StateTypeError, StateValueError, check_real, is_whole
 
 
 def _as_labels(what: str, x: Array) -> Array:
@@ -52,12 +52,12 @@ def _check_threshold(metric: str, threshold: float | None) -> float | None:
 def _check_ignore_index(metric: str, ignore_index: int | None) -> int | None:
     if ignore_index is None:
         return None
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if not is_whole(ignore_index):
         raise StateTypeError(
             f"{metric}: ignore_index must be None or an int (a label value whose "
             f"examples are left out, e.g. -1 or 255), got {ignore_index!r}."
         )
-    return ignore_index
+    return int(ignore_index)
 
 
 def _ignored(labels: Array, ignore_index: int | None) -> Array | None:

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._buffer import Cache, _LayerBase, is_state
-from .._errors import StateValueError, check_int
+from .._errors import StateValueError, check_bool, check_int
+from ._complex import refuse_non_array
 from ._kv_cache import KVCache
 
 
@@ -139,6 +140,7 @@ class CausalSelfAttention(_LayerBase):
     ):
         embed_dim = check_int("CausalSelfAttention", "embed_dim", embed_dim, 1)
         num_heads = check_int("CausalSelfAttention", "num_heads", num_heads, 1)
+        use_bias = check_bool("CausalSelfAttention", "use_bias", use_bias)
         if embed_dim % num_heads:
             raise StateValueError(
                 f"CausalSelfAttention: num_heads={num_heads} must divide "
@@ -189,6 +191,7 @@ class CausalSelfAttention(_LayerBase):
         `[seq, embed_dim]`.
         """
         del key
+        refuse_non_array("CausalSelfAttention", x)
         if x.ndim != 2 or x.shape[1] != self.embed_dim:
             raise StateValueError(
                 f"CausalSelfAttention(embed_dim={self.embed_dim}) expects one sequence "

@@ -11,7 +11,14 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import BatchStat, _LayerBase, check_cell_dtype, layer_path
-from .._errors import StateTypeError, StateValueError, check_int, check_real
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_real,
+)
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._counter import saturating_add
@@ -154,11 +161,20 @@ class BatchNorm(_LayerBase):
             hint="1 for inputs laid out [N, C, ...], -1 for channels-last.",
         )
         eps = check_real("BatchNorm", "eps", eps)
+        affine = check_bool("BatchNorm", "affine", affine)
+        track_running_stats = check_bool(
+            "BatchNorm", "track_running_stats", track_running_stats
+        )
+        zero_debias = check_bool("BatchNorm", "zero_debias", zero_debias)
+        unbiased_running_var = check_bool(
+            "BatchNorm", "unbiased_running_var", unbiased_running_var
+        )
+        inference = check_bool("BatchNorm", "inference", inference)
         if momentum is not None:
             momentum = check_real("BatchNorm", "momentum", momentum)
-        if not eps >= 0:
+        if not 0 <= eps < math.inf:
             raise StateValueError(
-                f"BatchNorm: eps must be non-negative, got {eps!r}: it is added to "
+                f"BatchNorm: eps must be non-negative and finite, got {eps!r}: it is added to "
                 "the variance before the square root (PyTorch's default, 1e-5, keeps "
                 "a constant channel finite)."
             )
@@ -172,7 +188,9 @@ class BatchNorm(_LayerBase):
                 "statistics by 1 - (1 - momentum)**t, and momentum=None (a "
                 "cumulative average) has nothing to correct. Drop one of them."
             )
-        dtype = jnp.float32 if dtype is None else dtype
+        dtype = (
+            jnp.float32 if dtype is None else check_dtype("BatchNorm", "dtype", dtype)
+        )
         if not jnp.issubdtype(dtype, jnp.floating):
             raise StateValueError(
                 f"BatchNorm: dtype must be a real floating dtype, got {dtype}."

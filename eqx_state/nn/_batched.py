@@ -7,7 +7,8 @@ import equinox as eqx
 import jax
 
 from .._buffer import _LayerBase
-from .._errors import StateTypeError, StateValueError
+from .._errors import StateTypeError, StateValueError, check_int
+from ._complex import refuse_non_array
 
 
 _Layer = TypeVar("_Layer")
@@ -70,10 +71,7 @@ class Batched(_LayerBase, Generic[_Layer]):
             raise StateTypeError(
                 f"Batched wraps a callable layer, got {type(layer).__name__}."
             )
-        if not isinstance(batch_dims, int) or batch_dims < 1:
-            raise StateValueError(
-                f"Batched: batch_dims must be a positive int, got {batch_dims!r}."
-            )
+        batch_dims = check_int("Batched", "batch_dims", batch_dims, 1)
         self.layer = layer
         self.batch_dims = batch_dims
 
@@ -90,8 +88,9 @@ class Batched(_LayerBase, Generic[_Layer]):
 
         The per-example outputs stacked along the same leading axes.
         """
-        ndim = getattr(x, "ndim", None)
-        if ndim is None or ndim < self.batch_dims:
+        refuse_non_array(f"Batched({type(self.layer).__name__})", x)
+        ndim = x.ndim
+        if ndim < self.batch_dims:
             shape = getattr(x, "shape", None)
             raise StateValueError(
                 f"Batched({type(self.layer).__name__}) maps over {self.batch_dims} "

@@ -5,7 +5,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Integer
 
 from .._buffer import CounterState, _LayerBase
-from .._errors import StateTypeError, check_int, is_whole
+from .._errors import (
+    StateTypeError,
+    check_bool,
+    check_dtype,
+    check_int,
+    is_whole,
+)
 from ._flag import inference_flag
 
 
@@ -47,6 +53,8 @@ class Counter(_LayerBase):
         dtype=jnp.int32,
         inference: bool = False,
     ):
+        dtype = check_dtype("Counter", "dtype", dtype)
+        inference = check_bool("Counter", "inference", inference)
         if not jnp.issubdtype(dtype, jnp.integer):
             raise StateTypeError(
                 f"Counter: `dtype` must be an integer dtype, got {jnp.dtype(dtype)}; "

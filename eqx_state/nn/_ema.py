@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
-from .._errors import StateValueError, check_int, check_real
+from .._errors import StateValueError, check_bool, check_int, check_real
 from ._complex import refuse_complex
 from ._counter import saturating_add
 from ._flag import inference_flag
@@ -148,6 +148,9 @@ class EMA(_LayerBase):
         inference: bool = False,
     ):
         decay = check_real("EMA", "decay", decay)
+        zero_debias = check_bool("EMA", "zero_debias", zero_debias)
+        dynamic_decay = check_bool("EMA", "dynamic_decay", dynamic_decay)
+        inference = check_bool("EMA", "inference", inference)
         if not 0.0 <= decay < 1.0:
             raise StateValueError(f"EMA: decay must be in [0, 1), got {decay}.")
         warmup_length = check_int("EMA", "warmup_length", warmup_length, 0)

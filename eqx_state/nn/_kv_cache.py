@@ -17,7 +17,7 @@ from .._errors import (
     StateWriteError,
     check_int,
 )
-from ._complex import refuse_complex
+from ._complex import refuse_complex, refuse_non_array
 
 
 # The caches appended to under each differentiation trace (`jax.grad` of a loss),
@@ -247,6 +247,8 @@ class KVCache(_LayerBase):
                 "sequence. Map the per-sequence model over the batch with "
                 "`jax.vmap(model, in_axes=(es.nn.kv_cache_axes(model), 0))`."
             )
+        refuse_non_array("KVCache.append (keys)", keys)
+        refuse_non_array("KVCache.append (values)", values)
         heads, _, head_dim = self.keys.shape
         if keys.shape != values.shape or tuple(keys.shape[1:]) != (heads, head_dim):
             raise StateValueError(

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._buffer import RecordState, _is_ref, _LayerBase, is_state
-from .._errors import StateTypeError, StateValueError, StateWriteError, is_whole
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    StateWriteError,
+    check_bool,
+    check_dtype,
+    check_shape,
+    is_whole,
+)
 from .._modes import freeze
 from .._vmap import mapped_axes
 from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
@@ -338,6 +346,7 @@ class Record(Recorder):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise StateValueError(f"Record: the statistic(s) {dup} are given twice.")
+        dtype = check_dtype("Record", "dtype", dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise StateValueError(f"Record: dtype must be floating, got {dtype}.")
         built: dict[str, Metric] = {}
@@ -370,7 +379,7 @@ class Record(Recorder):
         recorded = {k: _as_recorded(built[k]) for k in names}
         self.metrics = {k: m for k, (m, _) in recorded.items()}
         self.rules = tuple(r for _, r in recorded.values())
-        self.inference = inference
+        self.inference = check_bool(type(self).__name__, "inference", inference)
         self.names = names
         self.custom = frozenset(metrics)
         self.axis_name = axis_name
@@ -621,18 +630,12 @@ class Capture(Recorder):
         axis_name: Hashable | None = None,
         inference: bool = False,
     ):
-        if not isinstance(shape, tuple | list) or not all(map(is_whole, shape)):
-            # `int(2.5)` would make a capture of another shape without a word
-            raise StateTypeError(
-                f"Capture: shape must be a tuple of ints, got {shape!r}."
-            )
-        shape = tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise StateValueError(f"Capture: shape must be non-negative, got {shape}.")
-        init = False if jnp.dtype(dtype) == jnp.bool_ else 0
+        shape = check_shape("Capture", "shape", shape)
+        dtype = check_dtype("Capture", "dtype", dtype)
+        init = False if dtype == jnp.bool_ else 0
         self.value = RecordState(jnp.zeros(shape, dtype), init=init)
         self.count = RecordState(jnp.zeros((), jnp.int32), init=0)
-        self.inference = inference
+        self.inference = check_bool(type(self).__name__, "inference", inference)
         self.shape = shape
         self.axis_name = axis_name
 

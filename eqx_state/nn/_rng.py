@@ -9,8 +9,17 @@ import jax.numpy as jnp
 from jaxtyping import Array, Inexact, Key, PRNGKeyArray, UInt32
 
 from .._buffer import RngState, _LayerBase
-from .._errors import StateTypeError, StateValueError, StateWriteError, check_real
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    StateWriteError,
+    check_bool,
+    check_int,
+    check_real,
+    is_whole,
+)
 from .._vmap import mapped_axes
+from ._complex import refuse_non_array
 from ._flag import inference_flag
 
 
@@ -18,19 +27,23 @@ KeyBatch = Key[Array, "*batch"] | UInt32[Array, "*batch 2"]
 """A typed key (`jax.random.key`) or a raw `uint32[2]` key, possibly batched."""
 
 
-def _as_key(seed_or_key: Any) -> KeyBatch:
-    if isinstance(seed_or_key, int) and not isinstance(seed_or_key, bool):
-        return jax.random.key(seed_or_key)
+def as_key(seed_or_key: Any, where: str = "Rng") -> KeyBatch:
+    """A JAX PRNG key from a seed (a Python or NumPy integer) or a key (typed, or
+    raw `uint32[..., 2]`); else a `StateTypeError` naming `where` (the layer that
+    takes it)."""
+    if is_whole(seed_or_key):
+        return jax.random.key(int(seed_or_key))  # type: ignore[arg-type]
     key = seed_or_key
     if not isinstance(key, jax.Array):
         raise StateTypeError(
-            "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
-            f"or a raw `jax.random.PRNGKey(seed)`), got {type(key).__name__}."
+            f"{where} expects an integer seed or a JAX PRNG key "
+            "(`jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`), got "
+            f"{key!r} of type {type(key).__name__}."
         )
     is_typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not (is_typed or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
         raise StateTypeError(
-            "Rng expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
+            f"{where} expects an integer seed or a JAX PRNG key (`jax.random.key(seed)`, "
             "or a raw `jax.random.PRNGKey(seed)` of dtype uint32 and shape (2,)), got "
             f"an array of dtype {key.dtype} and shape {key.shape}."
         )
@@ -108,7 +121,7 @@ class Rng(_LayerBase):
     impl: str | None = eqx.field(static=True)
 
     def __init__(self, seed: int | KeyBatch):
-        key = _as_key(seed)
+        key = as_key(seed)
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             self.impl = str(jax.random.key_impl(key))
             data = jax.random.key_data(key)
@@ -152,6 +165,8 @@ class Rng(_LayerBase):
         A key of the stream's kind (typed or raw), of shape `()` (raw: `(2,)`), or a
         batch of `num` keys.
         """
+        if num is not None:
+            num = check_int("Rng.next_key", "num", num, 0)
         if axis_name is None and mapped_axes():
             raise StateWriteError(
                 "An Rng stream was drawn from inside `es.vmap` without `axis_name`: "
@@ -265,6 +280,7 @@ class Dropout(_LayerBase):
         inference: bool = False,
     ):
         p = check_real("Dropout", "p", p)
+        inference = check_bool("Dropout", "inference", inference)
         if not 0.0 <= p <= 1.0:
             raise StateValueError(f"Dropout: p must be in [0, 1], got {p}.")
         if rng is not None:
@@ -307,6 +323,7 @@ class Dropout(_LayerBase):
             inference = inference_flag(self)
         if inference or self.p == 0.0:
             return x
+        refuse_non_array("Dropout", x)
         if self.p == 1.0:
             # `x * 0`, as PyTorch: zeros, and NaN where `x` is NaN or infinite
             return x * jnp.zeros((), jnp.result_type(x))

@@ -11,7 +11,14 @@ import numpy as np
 from jaxtyping import Array, Float, Num
 
 from .._buffer import BatchStat, _LayerBase, check_cell_dtype
-from .._errors import StateTypeError, StateValueError, check_real, is_whole
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    check_dtype,
+    check_real,
+    is_whole,
+)
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._counter import saturating_add
@@ -124,16 +131,19 @@ class RunningNorm(_LayerBase):
         eps = check_real("RunningNorm", "eps", eps)
         if clip is not None:
             clip = check_real("RunningNorm", "clip", clip)
-        if not eps >= 0:
+        inference = check_bool("RunningNorm", "inference", inference)
+        if not 0 <= eps < math.inf:
             raise StateValueError(
-                f"RunningNorm: eps must be non-negative, got {eps!r}: it is added to "
+                f"RunningNorm: eps must be non-negative and finite, got {eps!r}: it is added to "
                 "the variance before the square root."
             )
         if clip is not None and not clip > 0:
             raise StateValueError(
                 f"RunningNorm: clip must be positive or None, got {clip}."
             )
-        dtype = jnp.float32 if dtype is None else dtype
+        dtype = (
+            jnp.float32 if dtype is None else check_dtype("RunningNorm", "dtype", dtype)
+        )
         if not jnp.issubdtype(dtype, jnp.floating):
             raise StateValueError(f"RunningNorm: dtype must be floating, got {dtype}.")
         if jnp.finfo(dtype).bits < 32:

@@ -9,8 +9,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._buffer import PowerIterationState, _LayerBase
-from .._errors import StateValueError, check_int, check_real
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    check_int,
+    check_real,
+)
+from ._complex import refuse_non_array
 from ._flag import inference_flag
+from ._rng import as_key
 
 
 _Layer = TypeVar("_Layer")
@@ -150,6 +158,14 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
         dim = check_int("SpectralNorm", "dim", dim)
         if input_ndim is not None:
             input_ndim = check_int("SpectralNorm", "input_ndim", input_ndim, 0)
+        if not isinstance(weight_name, str):
+            raise StateTypeError(
+                f"SpectralNorm: weight_name must be the name of the layer's weight "
+                f"field (a str, e.g. 'weight'), got {weight_name!r}."
+            )
+        v_first = check_bool("SpectralNorm", "v_first", v_first)
+        inference = check_bool("SpectralNorm", "inference", inference)
+        key = as_key(key, "SpectralNorm(key=...)")
         weight = getattr(layer, weight_name, None)
         if weight is None or not eqx.is_inexact_array(weight):
             raise StateValueError(
@@ -225,6 +241,7 @@ class SpectralNorm(_LayerBase, Generic[_Layer]):
         feature size named for Equinox's Linear and convolutions."""
         layer: Any = self.layer
         name = type(layer).__name__
+        refuse_non_array(f"SpectralNorm({name})", x)
         if isinstance(layer, eqx.nn.Linear) and layer.in_features != "scalar":
             if x.ndim < 1 or x.shape[-1] != layer.in_features:
                 raise StateValueError(

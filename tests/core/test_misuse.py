@@ -1180,6 +1180,21 @@ def test_an_escaped_tracer_given_to_a_step_is_named():
         )
 
 
+_LINEAR = eqx.nn.Linear(3, 3, key=jax.random.key(0))
+
+
+@pytest.fixture
+def no_type_checker():
+    """The suite's run-time type checker off, as for a user: it would refuse an
+    argument of another annotated type before the library sees it."""
+    import jaxtyping
+
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", before)
+
+
 @pytest.mark.parametrize(
     "call, kind, match",
     [
@@ -1239,24 +1254,126 @@ def test_an_escaped_tracer_given_to_a_step_is_named():
             ValueError,
             "positive and finite",
         ),
+        # flags: a truthy string picked a branch without a word (`affine="no"`
+        # made an affine layer)
+        (lambda: es.nn.BatchNorm(3, affine="no"), TypeError, "affine must be True"),
+        (
+            lambda: es.nn.BatchNorm(3, track_running_stats=0),
+            TypeError,
+            "track_running_stats must be True",
+        ),
+        (lambda: es.nn.EMA(_LINEAR, zero_debias="y"), TypeError, "zero_debias"),
+        (lambda: es.nn.Dropout(0.5, inference="no"), TypeError, "inference must"),
+        (
+            lambda: es.metrics.F1(3, average="macro", multilabel="yes"),
+            TypeError,
+            "multilabel must be True",
+        ),
+        # an infinite eps normalised every channel to its bias
+        (lambda: es.nn.BatchNorm(3, eps=float("inf")), ValueError, "finite"),
+        (lambda: es.nn.RunningNorm(3, eps=float("inf")), ValueError, "finite"),
+        # dtypes and shapes: NumPy's / JAX's errors named no argument
+        (lambda: es.nn.Capture((3,), dtype="nope"), TypeError, "dtype must be a"),
+        (lambda: es.nn.Record("mean", dtype=5), TypeError, "dtype must be a"),
+        (lambda: es.nn.Counter(dtype="nope"), TypeError, "dtype must be a"),
+        (
+            lambda: es.metrics.statistic(shape=(2.5,)),
+            TypeError,
+            "shape must be a tuple",
+        ),
+        (lambda: es.metrics.statistic(shape=(-1,)), ValueError, "non-negative"),
+        (lambda: es.metrics.statistic(dtype="nope"), TypeError, "dtype must be a"),
+        # keys, names and counts
+        (
+            lambda: es.nn.SpectralNorm(_LINEAR, weight_name=3, key=jax.random.key(1)),
+            TypeError,
+            "weight_name",
+        ),
+        (
+            lambda: es.nn.SpectralNorm(_LINEAR, key=None),  # type: ignore[arg-type]
+            TypeError,
+            "SpectralNorm.key=",
+        ),
+        (
+            lambda: es.to_refs(es.nn.Rng(0)).next_key(2.5),  # type: ignore[arg-type]
+            TypeError,
+            "num must be an int",
+        ),
+        (
+            lambda: es.process_slice(-4, jax.make_mesh((1,), ("data",))),
+            ValueError,
+            "batch_size must be >= 1",
+        ),
+        # a list given to a layer: JAX's "Cannot determine dtype" / "'list' object
+        # has no attribute 'ndim'" named no layer
+        (
+            lambda: es.to_refs(es.nn.Dropout(0.5, key=0))([1.0, 2.0]),
+            TypeError,
+            "Dropout expects a JAX or NumPy array",
+        ),
+        (
+            lambda: es.nn.SpectralNorm(_LINEAR, key=0)([1.0, 2.0, 3.0]),
+            TypeError,
+            r"SpectralNorm\(Linear\) expects",
+        ),
+        (
+            lambda: es.to_refs(es.nn.KVCache(4, 1, 2)).append(
+                [[[1.0, 2.0]]], jnp.ones((1, 1, 2))
+            ),
+            TypeError,
+            r"KVCache.append \(keys\) expects",
+        ),
+        (
+            lambda: es.nn.CausalSelfAttention(4, 2, key=jax.random.key(0))(
+                [[1.0, 2.0, 3.0, 4.0]]
+            ),
+            TypeError,
+            "CausalSelfAttention expects",
+        ),
+        (
+            lambda: es.inference_mode(es.nn.BatchNorm(3), True, where=3),
+            TypeError,
+            "`where` must be a function",
+        ),
+        (
+            lambda: es.vmap(lambda x: x)("abc"),
+            ValueError,
+            "is a str, not an array",
+        ),
     ],
 )
-def test_an_api_sweep_of_wrong_arguments_names_the_argument(call, kind, match):
+def test_an_api_sweep_of_wrong_arguments_names_the_argument(
+    call, kind, match, no_type_checker
+):
     """From a sweep of every public callable with wrong arguments: each raised a raw
     Python or JAX error from inside eqx_state, or (the cache, the mask) accepted
     the value and computed with it silently. (The suite's run-time type checker
     would refuse an argument of the wrong annotated type first: it is off here, as
     for a user.)"""
-    import jaxtyping
-
-    before = jaxtyping.config.jaxtyping_disable
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        with pytest.raises(kind, match=match) as info:
-            call()
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", before)
+    with pytest.raises(kind, match=match) as info:
+        call()
     assert isinstance(info.value, es.EqxStateError)
+
+
+def test_numpy_scalars_are_accepted_where_python_ones_are(no_type_checker):
+    """A seed, a count or a flag taken from NumPy (an item of an array of seeds, a
+    `np.bool_` flag) is a whole number or a bool like Python's: `Rng(np.int64(3))`
+    said "got int64", `Batched(batch_dims=np.int64(2))` "must be a positive int"."""
+    a = es.to_refs(es.nn.Rng(np.int64(3)))
+    b = es.to_refs(es.nn.Rng(3))
+    keys = jax.random.key_data(a.next_key(np.int64(2)))
+    assert keys.shape == (2, 2)
+    assert jnp.array_equal(keys, jax.random.key_data(b.next_key(2)))
+    layer = es.nn.Batched(_LINEAR, batch_dims=np.int64(2))
+    assert layer.batch_dims == 2 and type(layer.batch_dims) is int
+    bn = es.nn.BatchNorm(3, affine=np.bool_(False))
+    assert bn.weight is None and bn.affine is False
+    acc = es.to_refs(es.metrics.Accuracy(ignore_index=np.int64(-1)))
+    acc.update(jnp.asarray([1, 0, 1]), jnp.asarray([1, -1, 0]))
+    assert float(acc.compute()) == 0.5  # the -1 label left out, as with int -1
+    sn = es.nn.SpectralNorm(_LINEAR, key=np.int32(1))
+    ref = es.nn.SpectralNorm(_LINEAR, key=jax.random.key(1))
+    assert jnp.array_equal(sn.u[...], ref.u[...])
 
 
 def test_a_metric_with_dtype_none_keeps_float32_statistics():

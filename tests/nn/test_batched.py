@@ -136,7 +136,7 @@ def test_bad_input_and_bad_arguments():
     lin = es.nn.Batched(eqx.nn.Linear(3, 2, key=jax.random.key(0)), batch_dims=2)
     with pytest.raises(ValueError, match=r"2 leading batch axis.*\(3,\).*x\[None\]"):
         lin(jnp.ones(3))
-    with pytest.raises(ValueError, match="batch_dims must be a positive int"):
+    with pytest.raises(ValueError, match="batch_dims must be >= 1"):
         es.nn.Batched(eqx.nn.Identity(), batch_dims=0)
     with pytest.raises(TypeError, match="callable"):
         es.nn.Batched(3)

@@ -84,13 +84,13 @@ def test_rng_batch_of_keys_and_int_seed(mode):
 
 
 def test_rng_rejects_non_keys():
-    from eqx_state.nn._rng import _as_key  # the check behind the annotations
+    from eqx_state.nn._rng import as_key  # the check behind the annotations
 
     for bad in [jnp.zeros(3), jnp.zeros(2, jnp.int32), "seed"]:
         with pytest.raises(TypeError, match="seed"):  # jaxtyping's check, or ours
             es.nn.Rng(bad)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="integer seed or a JAX PRNG key"):
-            _as_key(bad)  # type: ignore[arg-type]
+            as_key(bad)  # type: ignore[arg-type]
 
 
 def test_rng_value_mode_write_outside_step_raises():
