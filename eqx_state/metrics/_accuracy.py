@@ -29,6 +29,7 @@ from ._labels import (
     _predictions,
     _split_inputs,
     _valid_labels,
+    as_label_array,
 )
 
 
@@ -149,7 +150,7 @@ class Accuracy(Metric):
             with `ignore_index=-1`.)
         """
         _check_inputs("Accuracy", self.total.dtype, sample_weight=sample_weight)
-        y = jnp.asarray(labels)
+        y = as_label_array(labels)
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         logits, preds, labels = _split_inputs(
             "Accuracy",

@@ -35,6 +35,7 @@ from ._labels import (
     _predictions,
     _split_inputs,
     _threshold,
+    as_label_array,
 )
 
 
@@ -155,7 +156,7 @@ class _ConfusionMetric(Metric):
                 "probabilities makes a binary prediction; build the metric with "
                 "num_classes=2, or multilabel=True for one probability per label."
             )
-        y = jnp.asarray(labels)
+        y = as_label_array(labels)
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         ignored = _ignored(y, self.ignore_index)
         if ignored is not None and not self._logits_rule_sees_ignored:
@@ -198,7 +199,7 @@ class _ConfusionMetric(Metric):
 
     def _update_multilabel(self, x, labels, sample_weight, mask) -> None:
         name = type(self).__name__
-        x, y = jnp.asarray(x), jnp.asarray(labels)
+        x, y = as_label_array(x), as_label_array(labels)
         y = _as_labels(f"{name}.update: `labels`", y)
         if x.shape != y.shape or x.ndim < 1 or x.shape[-1] != self.num_classes:
             raise StateValueError(

@@ -32,7 +32,31 @@ def _as_labels(what: str, x: Array) -> Array:
             f"{what}: expected integer class labels, got dtype {x.dtype}. Labels are "
             "class indices (0 / 1 for binary and multi-label problems)."
         )
+    if x.dtype != jnp.bool_ and jnp.iinfo(x.dtype).max > _INT32.max:
+        # int64 (x64 on), uint32, uint64: a label past int32's range is out of any
+        # class range, and stays so (clamped to int32's bounds) instead of wrapping
+        # into a class (`2**32 + 1` was class 1)
+        if jnp.iinfo(x.dtype).min < 0:
+            x = jnp.clip(x, _INT32.min, _INT32.max)
+        else:
+            x = jnp.minimum(x, jnp.asarray(_INT32.max, x.dtype))
     return x.astype(jnp.int32)
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def as_label_array(x: Any) -> Array:
+    """`jnp.asarray(x)` for labels and predicted labels: a NumPy integer array
+    wider than int32 is first clamped to int32's bounds in NumPy (with x64 off,
+    `jnp.asarray` would wrap `2**32 + 1` into class 1), as `_as_labels` clamps a
+    JAX one; other inputs are converted as they are."""
+    if isinstance(x, np.ndarray | np.generic) and np.issubdtype(x.dtype, np.integer):
+        info = np.iinfo(x.dtype)  # pyright: ignore[reportCallIssue, reportArgumentType]
+        if info.max > _INT32.max:
+            low = max(int(info.min), int(_INT32.min))
+            x = np.clip(x, low, int(_INT32.max)).astype(np.int32)
+    return jnp.asarray(x)
 
 
 def _check_threshold(metric: str, threshold: float | None) -> float | None:
@@ -137,9 +161,20 @@ def _split_inputs(
     when it has the labels' shape, a floating dtype, and `threshold` is set (logits
     of the positive class too: see `_as_probabilities`, which decides over the
     entries where `counted` is true, all by default)."""
-    x = jnp.asarray(logits_or_preds)
-    y = _as_labels(f"{metric}.update: `labels`", jnp.asarray(labels))
+    x = as_label_array(logits_or_preds)
+    y = _as_labels(f"{metric}.update: `labels`", as_label_array(labels))
     if x.ndim == y.ndim + 1 and x.shape[:-1] == y.shape:
+        if x.shape[-1] == 1:
+            # one class: every prediction would be class 0 (a model's [B, 1]
+            # output of binary probabilities scored silently as 0.5 accuracy)
+            raise StateValueError(
+                f"{metric}.update got scores with a class axis of size 1 (shape "
+                f"{x.shape}) for labels of shape {y.shape}: with one class every "
+                "prediction is class 0. For a binary model's output of shape "
+                "[*batch, 1] (a probability or logit of the positive class), drop "
+                f"the axis, `x[..., 0]`, and build the metric with `threshold=0.5`; "
+                "for two classes pass logits of shape [*batch, 2]."
+            )
         if num_classes is not None and x.shape[-1] != num_classes:
             raise StateValueError(
                 f"{metric}(num_classes={num_classes}) got logits with "

@@ -103,7 +103,16 @@ class LastValue(Metric):
         if value.shape == self.shape:
             value = value[None]
             if mask is not None:
-                mask = jnp.reshape(jnp.asarray(mask), (1,))
+                mask = jnp.asarray(mask)
+                if mask.size != 1:
+                    raise StateValueError(
+                        f"LastValue(shape={self.shape}) got one value with a mask of "
+                        f"shape {mask.shape}: the mask of one value is a scalar (False: "
+                        "ignore it). A batch's mask given to a collection reaches every "
+                        "member: update this one apart, or give it "
+                        "`mask=jnp.any(mask)` (kept when any example counts)."
+                    )
+                mask = jnp.reshape(mask, (1,))
         elif value.shape[1:] != self.shape:
             raise StateValueError(
                 f"LastValue(shape={self.shape}) got a value of shape {value.shape}: "

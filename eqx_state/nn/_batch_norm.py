@@ -10,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
-from .._buffer import BatchStat, _LayerBase, check_cell_dtype, layer_path
+from .._buffer import (
+    BatchStat,
+    _LayerBase,
+    check_cell_dtype,
+    check_live,
+    layer_path,
+)
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -229,6 +235,8 @@ class BatchNorm(_LayerBase):
 
     def _check(self, x: Array) -> int:
         refuse_non_array("BatchNorm", x)
+        for name in ("weight", "bias"):  # as a cell read checks its array
+            check_live(getattr(self, name), f"BatchNorm{layer_path(self)} `{name}`")
         if x.ndim < 1:
             raise StateValueError(
                 "BatchNorm expects an input with a channel axis, got a scalar."

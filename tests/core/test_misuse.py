@@ -1330,6 +1330,15 @@ def no_type_checker():
             TypeError,
             "CausalSelfAttention expects",
         ),
+        # a batch's mask reaching a one-value LastValue (through a collection):
+        # JAX's "cannot reshape array of shape (8,)"
+        (
+            lambda: es.to_refs(es.metrics.LastValue()).update(
+                1.0, mask=jnp.ones(8, bool)
+            ),
+            ValueError,
+            r"the mask of one value is a scalar.*jnp.any\(mask\)",
+        ),
         (
             lambda: es.inference_mode(es.nn.BatchNorm(3), True, where=3),
             TypeError,

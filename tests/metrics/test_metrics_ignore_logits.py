@@ -287,3 +287,56 @@ def test_logits_rule_with_masked_and_ignored_entries(mode):
     np.testing.assert_array_equal(got[1].compute(), cm)
     # the two rules differ on this batch: sigmoid(0.4) > 0.5, 0.4 is not
     assert prec != want
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_labels_past_int32_are_out_of_range_not_wrapped(x64):
+    """A label or prediction past int32's range (NumPy int64 / uint64 with x64 off,
+    JAX int64 with it on) is out of range, as any label outside
+    `[0, num_classes)`: dropped by the confusion matrix, never the label of a
+    class. Before, the cast to int32 wrapped `2**32 + 1` into class 1 (sklearn,
+    given the same labels, leaves it out of the listed classes)."""
+    import jax
+    from sklearn.metrics import confusion_matrix, recall_score
+
+    big = 2**32 + 1
+    with jax.enable_x64(x64):
+        y = np.array([1, 1, 0, 1], np.int64)
+        p = np.array([big, 1, 0, 2**32], np.int64)
+        cm = es.to_refs(esm.ConfusionMatrix(2))
+        cm.update(p if not x64 else jnp.asarray(p), y)
+        want = confusion_matrix(y, p, labels=[0, 1])
+        np.testing.assert_array_equal(np.asarray(cm.compute()), want)
+        rec = es.to_refs(esm.Recall(3, average=None))
+        rec.update(np.array([2**32, 1], np.uint64), np.array([0, 1], np.uint64))
+        np.testing.assert_array_equal(
+            np.asarray(rec.compute()),
+            recall_score(
+                [0, 1], [2**32, 1], labels=[0, 1, 2], average=None, zero_division=0
+            ),
+        )
+        # the ignored label is the given one, not a wrapped one
+        acc = es.to_refs(esm.Accuracy(ignore_index=1))
+        acc.update(np.array([1, 0]), np.array([big, 0], np.int64))
+        assert float(acc.compute()) == 0.5
+
+
+def test_scores_with_one_class_are_refused_with_the_fix():
+    """`[B, 1]` probabilities with `[B]` labels read as logits of one class made
+    every prediction class 0 (accuracy 0.5 here, 1.0 squeezed; torchmetrics'
+    binary_accuracy refuses the shapes); Precision's message advised
+    `num_classes=1`, which Precision refuses."""
+    p = jnp.asarray([[0.9], [0.8], [0.1], [0.2]])
+    y = jnp.asarray([1, 1, 0, 0])
+    for metric in (
+        esm.Accuracy(threshold=0.5),
+        esm.Accuracy(),
+        esm.Precision(2, threshold=0.5),
+        esm.ConfusionMatrix(2, threshold=0.5),
+    ):
+        m = es.to_refs(metric)
+        with pytest.raises(ValueError, match=r"class axis of size 1.*x\[\.\.\., 0\]"):
+            m.update(p, y)
+    m = es.to_refs(esm.Accuracy(threshold=0.5))
+    m.update(p[..., 0], y)  # the fix the message names
+    assert float(m.compute()) == 1.0

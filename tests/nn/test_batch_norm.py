@@ -921,3 +921,19 @@ def test_a_model_cast_wholesale_to_bfloat16_still_runs_in_inference():
     got = eqx.nn.inference_mode(half)(x)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(np.float32), want, rtol=1e-2, atol=1e-2)
+
+
+def test_an_evaluation_copy_kept_across_a_step_is_stale_with_the_fix():
+    """A ref-mode model switched to evaluation before a step shares the cells (refs)
+    but keeps the parameters the step donated: BatchNorm's own read of its affine
+    weight raised JAX's bare "Array has been deleted"; it names the fix as a cell
+    read does."""
+    model = es.to_refs(es.nn.BatchNorm(3))
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    opt_state = step.init(model)
+    x = jnp.ones((4, 3)) + jnp.arange(4.0)[:, None]
+    evaluation = eqx.nn.inference_mode(model)
+    model, opt_state = step(model, opt_state, x)
+    with pytest.raises(es.StaleModelError, match="BatchNorm `weight`.*consumed"):
+        evaluation(x)
+    assert eqx.nn.inference_mode(model)(x).shape == (4, 3)  # the fix
