@@ -66,6 +66,16 @@ def _shadow(cells: list[Any], size: int) -> list[Any]:
     ]
 
 
+_LOOP_OVER_CELLS_MESSAGE = (
+    "es.vmap: a loop inside the mapped function (a `lax.scan` over stacked "
+    "layers) reads or writes state cells of the mapped model, and JAX "
+    "cannot map a loop over per-example state (its error: \"'Ref' object has no "
+    'attribute ..."). Put the loop outside and the map inside it: scan over the '
+    "layers and call `es.vmap(layer, axis_name=...)` in the loop body, or call the "
+    "layers on the whole batch (BatchNorm normalises a batch without `es.vmap`)."
+)
+
+
 def vmap(
     fn: Callable[..., Any],
     in_axes: Any = 0,
@@ -229,6 +239,12 @@ def vmap(
                 axis_name=axis_name,
                 axis_size=axis_size,
             )(shadows, *args)
+        except AttributeError as e:
+            if "'Ref' object has no attribute" not in str(e):
+                raise
+            # JAX's batching rule of a loop (`lax.scan` over stacked layers) cannot
+            # carry the per-example refs of this map's cells
+            raise StateError(_LOOP_OVER_CELLS_MESSAGE) from e
         finally:
             _MAPPED_AXES.reset(token)
         for cell, shadow in zip(cells, shadows):

@@ -36,6 +36,7 @@ from ._labels import (
     _split_inputs,
     _threshold,
     as_label_array,
+    refuse_complex_scores,
 )
 
 
@@ -200,6 +201,7 @@ class _ConfusionMetric(Metric):
     def _update_multilabel(self, x, labels, sample_weight, mask) -> None:
         name = type(self).__name__
         x, y = as_label_array(x), as_label_array(labels)
+        refuse_complex_scores(name, x)
         y = _as_labels(f"{name}.update: `labels`", y)
         if x.shape != y.shape or x.ndim < 1 or x.shape[-1] != self.num_classes:
             raise StateValueError(

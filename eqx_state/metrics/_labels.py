@@ -59,6 +59,17 @@ def as_label_array(x: Any) -> Array:
     return jnp.asarray(x)
 
 
+def refuse_complex_scores(metric: str, x: Array) -> None:
+    """A classification metric's scores are real: complex ones raised JAX's "gt does
+    not accept dtype complex64", or (thresholded) lost their imaginary parts."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise StateTypeError(
+            f"{metric}.update got complex scores (dtype {x.dtype}): logits, "
+            "probabilities and predicted labels are real. Pass the real scores your "
+            "model means, e.g. `jnp.abs(z)` or `jnp.real(z)`."
+        )
+
+
 def _check_threshold(metric: str, threshold: float | None) -> float | None:
     if threshold is None:
         return None
@@ -162,6 +173,7 @@ def _split_inputs(
     of the positive class too: see `_as_probabilities`, which decides over the
     entries where `counted` is true, all by default)."""
     x = as_label_array(logits_or_preds)
+    refuse_complex_scores(metric, x)
     y = _as_labels(f"{metric}.update: `labels`", as_label_array(labels))
     if x.ndim == y.ndim + 1 and x.shape[:-1] == y.shape:
         if x.shape[-1] == 1:

@@ -1339,6 +1339,22 @@ def no_type_checker():
             ValueError,
             r"the mask of one value is a scalar.*jnp.any\(mask\)",
         ),
+        # complex scores: JAX's "gt does not accept dtype complex64", or (with a
+        # threshold) the imaginary parts dropped and 1.0 returned
+        (
+            lambda: es.to_refs(es.metrics.Accuracy(threshold=0.5)).update(
+                jnp.asarray([0.2 + 5j, 0.9 - 3j]), jnp.asarray([0, 1])
+            ),
+            TypeError,
+            "complex scores",
+        ),
+        (
+            lambda: es.to_refs(es.metrics.ConfusionMatrix(3)).update(
+                jnp.ones((2, 3), jnp.complex64), jnp.asarray([0, 1])
+            ),
+            TypeError,
+            "complex scores",
+        ),
         (
             lambda: es.inference_mode(es.nn.BatchNorm(3), True, where=3),
             TypeError,

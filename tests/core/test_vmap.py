@@ -382,3 +382,45 @@ def test_a_metric_updated_per_example_inside_remat_under_es_vmap_sums_or_is_refu
     except es.StateWriteError:
         return
     assert float(metric.compute()) == values.sum()
+
+
+def test_a_scan_over_stacked_cells_inside_es_vmap_names_the_loop_outside():
+    """`es.vmap` around a `lax.scan` over stacked per-example BatchNorms raised
+    JAX's "'Ref' object has no attribute 'transpose'" from the scan's batching
+    rule. The error names the loop-outside form, which equals the whole-batch
+    statistics computed in float64 NumPy."""
+    x = jnp.arange(24.0).reshape(8, 3) + jnp.sin(jnp.arange(24.0)).reshape(8, 3)
+    stack = eqx.filter_vmap(
+        lambda k: es.nn.BatchNorm(3, channel_axis=0, axis_name="b")
+    )(jnp.arange(2))
+
+    def inside(s, xi):  # the scan inside the map
+        d, st = eqx.partition(s, es.is_array_or_ref)
+        return jax.lax.scan(lambda h, dd: (eqx.combine(dd, st)(h), None), xi, d)[0]
+
+    with pytest.raises(es.StateError, match="Put the loop outside"):
+        es.apply(
+            lambda m, x: es.vmap(inside, in_axes=(None, 0), axis_name="b")(m, x),
+            stack,
+            x,
+        )
+
+    def outside(s, x):  # the fix: the map inside the loop
+        d, st = eqx.partition(s, es.is_array_or_ref)
+
+        def body(h, dd):
+            return es.vmap(eqx.combine(dd, st), axis_name="b")(h), None
+
+        return jax.lax.scan(body, x, d)[0]
+
+    out, stack = es.apply(outside, stack, x)
+    h, means = np.asarray(x, np.float64), []
+    for _ in range(2):
+        mean, var = h.mean(0), h.var(0)
+        means.append(0.1 * mean)
+        h = (h - mean) / np.sqrt(var + 1e-5)
+    np.testing.assert_allclose(np.asarray(out), h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(stack.running_mean[...]), np.stack(means), rtol=1e-5, atol=1e-6
+    )
+    assert np.asarray(stack.num_batches_tracked[...]).tolist() == [1, 1]
