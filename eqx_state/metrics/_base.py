@@ -343,6 +343,14 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
             continue
         if _kind(dtype) == 1 and isinstance(x, int) and not isinstance(x, bool):
             _check_in_range(metric, dtype, name, x, x)  # a Python int is cast
+        if (
+            _kind(dtype) == 1
+            and isinstance(x, np.ndarray | np.generic)
+            and np.issubdtype(x.dtype, np.integer)
+            and np.size(x)
+        ):  # a NumPy integer array is on the host: checked by value, as `jnp.asarray`
+            # with x64 off would wrap an int64 past int32's range (2**40 read 0)
+            _check_in_range(metric, dtype, name, int(np.min(x)), int(np.max(x)))
         x = jnp.asarray(x)
         src = x.dtype
         if (

@@ -456,3 +456,18 @@ def test_mean_std_of_float32_values_far_from_zero_equals_float64(mode):
     mean, std = metric.compute()
     close(std, exact.std(), rtol=0.03)
     close(mean, exact.mean(), rtol=3e-7)  # one float32 unit at 1e7
+
+
+@pytest.mark.parametrize("metric", ["Sum", "Min", "Max"])
+def test_a_numpy_int64_past_the_statistics_is_refused_not_wrapped(metric):
+    """With x64 off `jnp.asarray` wraps a NumPy int64 into int32 (2**40 read 0):
+    the docs promise a TypeError for an integer the statistics do not hold. A
+    NumPy int64 array whose values fit (NumPy's default integer) is accepted, as
+    Python's sum of it says."""
+    m = es.to_refs(getattr(es.metrics, metric)(dtype=jnp.int32))
+    with pytest.raises(TypeError, match="do not hold"):
+        m.update(np.array([2**40, 1]))
+    values = np.array([3, -4, 5])  # int64
+    m.update(values)
+    want = {"Sum": sum, "Min": min, "Max": max}[metric](values.tolist())
+    assert int(m.compute()) == want
