@@ -43,7 +43,9 @@ class Mean(Metric):
     - `axis_name`: reduce each update over this named axis (see
         [`eqx_state.metrics.Metric`][]).
     - `dtype`: the dtype of the statistics, floating (default float32: counts are
-        exact up to 2**24 examples; pass `jnp.float64` with x64 enabled for more).
+        exact up to 2**24 examples, and the float32 running sums round at every
+        update: 2·10^6 single values in [0.5, 1.5] give a mean ~4e-5 off relative,
+        fewer, larger batches less; pass `jnp.float64` with x64 enabled for more).
         An integer dtype is refused: a mean is fractional.
 
     **Example:**

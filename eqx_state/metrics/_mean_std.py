@@ -44,7 +44,9 @@ class MeanStd(Metric):
     deviation is off, by an amount that depends on the offset, the number of
     updates and their sizes. Measured in float32 with N(0, 1) values updated one
     at a time: offset 1e5, 2·10^4 values: ~1e-4 relative (`numpy.std` in float32:
-    ~1e-5); offset 1e6: ~1e-3 after 2·10^3 values, ~2e-2 after 2·10^4. Use
+    ~1e-5); offset 1e6: ~1e-3 after 2·10^3 values, ~2e-2 after 2·10^4. With no
+    offset the error grows with the number of updates: 2·10^6 single values,
+    ~6e-4 relative (in batches of 1000: ~2e-7). Update with batches, or use
     `dtype=jnp.float64` with x64 for values far from zero relative to their
     spread, or subtract a known offset first.) Sample weights act as frequency weights (a weight of 2 counts a
     value twice), so they must not be negative (as `numpy.cov`'s `fweights`): a
