@@ -195,10 +195,16 @@ def check_int(
 
 def check_bool(where: str, name: str, value: object) -> bool:
     """The one check of a flag argument (`affine=`, `inference=`, ...): `value` as
-    a Python bool if it is one or a NumPy bool scalar; else a `StateTypeError`
-    naming `where` and `name` (a truthy string or a number would pick a branch
-    without a word: `affine="no"` made an affine layer)."""
+    a Python bool if it is one, a NumPy bool scalar, a concrete 0-d bool array, or
+    the whole number 0 or 1; else a `StateTypeError` naming `where` and `name` (a
+    truthy string or another number would pick a branch without a word:
+    `affine="no"` made an affine layer)."""
+    if isinstance(value, jax.Array | np.ndarray) and not isinstance(value, Tracer):
+        if value.shape == () and value.dtype == np.bool_:
+            return bool(value)  # a concrete 0-d bool array, as `check_int` takes
     if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if is_whole(value) and value in (0, 1):  # PyTorch's `affine=0` style
         return bool(value)
     raise StateTypeError(
         f"{where}: {name} must be True or False, got {value!r} of type "
@@ -208,9 +214,12 @@ def check_bool(where: str, name: str, value: object) -> bool:
 
 def check_dtype(where: str, name: str, dtype: object) -> Any:
     """The one check of a `dtype=` argument: `dtype` as a NumPy dtype (anything
-    `jnp.dtype` takes: `jnp.float32`, `"bfloat16"`, `np.dtype(...)`); else a
-    `StateTypeError` naming `where` and `name`. The kind (floating, integer) is the
-    caller's to check."""
+    `jnp.dtype` takes: `jnp.float32`, `"bfloat16"`, `np.dtype(...)`; `None`, "the
+    default", is float32 whatever x64 says, as the layers' and metrics' defaults);
+    else a `StateTypeError` naming `where` and `name`. The kind (floating,
+    integer) is the caller's to check."""
+    if dtype is None:
+        return np.dtype(np.float32)
     try:
         return jax.numpy.dtype(dtype)  # type: ignore[arg-type]
     except TypeError as e:

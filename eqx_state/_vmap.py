@@ -240,7 +240,7 @@ def vmap(
                 axis_size=axis_size,
             )(shadows, *args)
         except AttributeError as e:
-            if "'Ref' object has no attribute" not in str(e):
+            if not _is_ref(getattr(e, "obj", None)):
                 raise
             # JAX's batching rule of a loop (`lax.scan` over stacked layers) cannot
             # carry the per-example refs of this map's cells

@@ -150,7 +150,7 @@ class Accuracy(Metric):
             with `ignore_index=-1`.)
         """
         _check_inputs("Accuracy", self.total.dtype, sample_weight=sample_weight)
-        y = as_label_array(labels)
+        given, y = labels, as_label_array(labels)
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         logits, preds, labels = _split_inputs(
             "Accuracy",
@@ -175,7 +175,7 @@ class Accuracy(Metric):
             num_classes = 2 if self.threshold is not None else self.num_classes
             hit = _valid_labels(labels, num_classes) & (preds == labels)
         w = _weights(labels, mask, sample_weight, self.total.dtype)
-        ignored = _ignored(y, self.ignore_index)  # the labels as given, not int32
+        ignored = _ignored(given, self.ignore_index)
         if ignored is not None:
             w = jnp.where(ignored, jnp.zeros_like(w), w)
         correct = jnp.sum(jnp.where(hit, w, jnp.zeros_like(w)))

@@ -159,7 +159,7 @@ class _ConfusionMetric(Metric):
             )
         y = as_label_array(labels)
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
-        ignored = _ignored(y, self.ignore_index)
+        ignored = _ignored(labels, self.ignore_index)
         if ignored is not None and not self._logits_rule_sees_ignored:
             counted = ~ignored if counted is None else counted & ~ignored
         logits, preds, labels = _split_inputs(
@@ -221,7 +221,7 @@ class _ConfusionMetric(Metric):
         # a weight (or mask) per example ([*batch], a prefix) or per entry
         w = jnp.broadcast_to(_weights(y, mask, sample_weight, dtype), y.shape)
         ok = ((y == 0) | (y == 1)) & ((preds == 0) | (preds == 1))
-        ignored = _ignored(y, self.ignore_index)
+        ignored = _ignored(labels, self.ignore_index)
         if ignored is not None:  # per entry, as torchmetrics' multi-label metrics
             ok = ok & ~ignored
         w = jnp.where(ok, w, jnp.zeros_like(w))  # [*batch, L]

@@ -61,13 +61,18 @@ def as_label_array(x: Any) -> Array:
 
 def refuse_complex_scores(metric: str, x: Array) -> None:
     """A classification metric's scores are real: complex ones raised JAX's "gt does
-    not accept dtype complex64", or (thresholded) lost their imaginary parts."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise StateTypeError(
-            f"{metric}.update got complex scores (dtype {x.dtype}): logits, "
-            "probabilities and predicted labels are real. Pass the real scores your "
-            "model means, e.g. `jnp.abs(z)` or `jnp.real(z)`."
-        )
+    not accept dtype complex64", or (thresholded) lost their imaginary parts. The
+    layers' refusal (`nn._complex`), imported here to keep `metrics` importable
+    before `nn`."""
+    from ..nn._complex import refuse_complex
+
+    refuse_complex(
+        f"{metric}.update",
+        x.dtype,
+        "logits, probabilities and predicted labels are real (complex scores have "
+        "no order)",
+        "Pass the real scores your model means, e.g. `jnp.abs(z)` or `jnp.real(z)`.",
+    )
 
 
 def _check_threshold(metric: str, threshold: float | None) -> float | None:
@@ -95,10 +100,15 @@ def _check_ignore_index(metric: str, ignore_index: int | None) -> int | None:
     return int(ignore_index)
 
 
-def _ignored(labels: Array, ignore_index: int | None) -> Array | None:
-    """Where the labels are `ignore_index` (None without one)."""
+def _ignored(labels: Any, ignore_index: int | None) -> Array | None:
+    """Where the labels *as given* are `ignore_index` (None without one): a NumPy
+    array is compared on the host, exactly, before any conversion (`jnp.asarray`
+    with x64 off wraps int64, `as_label_array` clamps it)."""
     if ignore_index is None:
         return None
+    if isinstance(labels, np.ndarray | np.generic):
+        return jnp.asarray(np.asarray(labels) == ignore_index)
+    labels = jnp.asarray(labels)
     if labels.dtype == jnp.bool_:  # compared as the numbers 0 and 1
         labels = labels.astype(jnp.int32)
     if jnp.issubdtype(labels.dtype, jnp.integer):
@@ -179,13 +189,19 @@ def _split_inputs(
         if x.shape[-1] == 1:
             # one class: every prediction would be class 0 (a model's [B, 1]
             # output of binary probabilities scored silently as 0.5 accuracy)
+            fix = (
+                "For a binary model's output of shape [*batch, 1] (a probability "
+                "or logit of the positive class), drop the axis, `x[..., 0]`, and "
+                "build the metric with `threshold=0.5`; for two classes pass logits "
+                "of shape [*batch, 2]."
+                if jnp.issubdtype(x.dtype, jnp.inexact)
+                else "Predicted labels have the labels' shape: drop the axis, "
+                "`x[..., 0]` (e.g. `jnp.argmax(logits, -1)` without `keepdims`)."
+            )
             raise StateValueError(
                 f"{metric}.update got scores with a class axis of size 1 (shape "
                 f"{x.shape}) for labels of shape {y.shape}: with one class every "
-                "prediction is class 0. For a binary model's output of shape "
-                "[*batch, 1] (a probability or logit of the positive class), drop "
-                f"the axis, `x[..., 0]`, and build the metric with `threshold=0.5`; "
-                "for two classes pass logits of shape [*batch, 2]."
+                f"prediction is class 0. {fix}"
             )
         if num_classes is not None and x.shape[-1] != num_classes:
             raise StateValueError(

@@ -15,6 +15,7 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_dtype,
     check_int,
 )
 from ._complex import refuse_complex, refuse_non_array
@@ -172,13 +173,9 @@ class KVCache(_LayerBase):
             raise StateValueError(
                 f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."
             )
-        dtype = jnp.float32 if dtype is None else dtype
-        try:
-            name = jnp.dtype(dtype).name
-            inexact = jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
-        except TypeError:
-            name, inexact = repr(dtype), False
-        if not inexact:
+        dtype = check_dtype("KVCache", "dtype", dtype)
+        name = dtype.name
+        if not jnp.issubdtype(dtype, jnp.inexact):
             # keys and values are cast into the cache: an integer cache would
             # truncate 1.7 to 1 without a word
             raise StateTypeError(

@@ -32,7 +32,13 @@ def as_key(seed_or_key: Any, where: str = "Rng") -> KeyBatch:
     raw `uint32[..., 2]`); else a `StateTypeError` naming `where` (the layer that
     takes it)."""
     if is_whole(seed_or_key):
-        return jax.random.key(int(seed_or_key))  # type: ignore[arg-type]
+        try:
+            return jax.random.key(int(seed_or_key))  # type: ignore[arg-type]
+        except OverflowError as e:
+            raise StateValueError(
+                f"{where}: the seed {int(seed_or_key)} does not fit in 64 bits; "  # type: ignore[arg-type]
+                "give a seed in [-2**63, 2**63), or a key (`jax.random.key`)."
+            ) from e
     key = seed_or_key
     if not isinstance(key, jax.Array):
         raise StateTypeError(

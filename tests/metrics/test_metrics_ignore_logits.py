@@ -315,10 +315,16 @@ def test_labels_past_int32_are_out_of_range_not_wrapped(x64):
                 [0, 1], [2**32, 1], labels=[0, 1, 2], average=None, zero_division=0
             ),
         )
-        # the ignored label is the given one, not a wrapped one
+        # the ignored label is the given one, not a wrapped or clamped one
         acc = es.to_refs(esm.Accuracy(ignore_index=1))
         acc.update(np.array([1, 0]), np.array([big, 0], np.int64))
         assert float(acc.compute()) == 0.5
+        acc = es.to_refs(esm.Accuracy(ignore_index=2**31 - 1))
+        acc.update(np.array([1, 0]), np.array([2**40, 0], np.int64))
+        assert float(acc.compute()) == 0.5
+        acc = es.to_refs(esm.Accuracy(ignore_index=2**40))
+        acc.update(np.array([1, 0]), np.array([2**40, 0], np.int64))
+        assert float(acc.compute()) == 1.0  # left out, as torchmetrics leaves it
 
 
 def test_scores_with_one_class_are_refused_with_the_fix():
