@@ -30,6 +30,7 @@ from ._labels import (
     _split_inputs,
     _valid_labels,
     as_label_array,
+    check_top_k,
 )
 
 
@@ -124,6 +125,7 @@ class Accuracy(Metric):
             if num_classes is None
             else _check_int("Accuracy", "num_classes", num_classes, 1)
         )
+        check_top_k("Accuracy", top_k, self.num_classes)
         self.ignore_index = _check_ignore_index("Accuracy", ignore_index)
         self.axis_name = axis_name
 
@@ -162,7 +164,7 @@ class Accuracy(Metric):
             self.axis_name,
         )
         if logits is not None:
-            _, hit = _predictions(logits, labels, self.top_k)
+            _, hit = _predictions("Accuracy", logits, labels, self.top_k)
         else:
             assert preds is not None
             if self.top_k != 1:

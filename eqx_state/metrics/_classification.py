@@ -36,6 +36,7 @@ from ._labels import (
     _split_inputs,
     _threshold,
     as_label_array,
+    check_top_k,
     refuse_complex_scores,
 )
 
@@ -100,6 +101,8 @@ class _ConfusionMetric(Metric):
                 f"{name}: top_k must be >= 1, and 1 for multi-label input; got "
                 f"top_k={top_k}, multilabel={multilabel}."
             )
+        if not multilabel:
+            check_top_k(name, top_k, num_classes)
         self.num_classes = num_classes
         self.top_k = top_k
         self.threshold = _check_threshold(name, threshold)
@@ -166,7 +169,7 @@ class _ConfusionMetric(Metric):
             name, logits_or_preds, y, c, self.threshold, counted, self.axis_name
         )
         if logits is not None:
-            preds, _ = _predictions(logits, labels, self.top_k)
+            preds, _ = _predictions(name, logits, labels, self.top_k)
         elif self.top_k != 1:
             raise StateValueError(
                 f"{name}(top_k={self.top_k}) needs logits or scores with a trailing "

@@ -244,10 +244,24 @@ def _rank_of_label(logits: Array, labels: Array) -> Array:
     return jnp.sum(before.astype(jnp.int32), axis=-1)
 
 
-def _predictions(logits: Array, labels: Array, top_k: int) -> tuple[Array, Array]:
+def check_top_k(name: str, top_k: int, num_classes: int | None) -> None:
+    """`top_k` ranks among `num_classes` classes: more than there are would count
+    every prediction correct (torchmetrics refuses it)."""
+    if num_classes is not None and top_k > num_classes:
+        raise StateValueError(
+            f"{name}(top_k={top_k}) ranks among {num_classes} classes: every "
+            f"prediction would count as correct. Use top_k <= {num_classes} (the "
+            "size of the scores' class axis)."
+        )
+
+
+def _predictions(
+    name: str, logits: Array, labels: Array, top_k: int
+) -> tuple[Array, Array]:
     """`(preds, in_top_k)` of logits by the ranking rule; `labels` must be class
     indices where they are to be used (others give `in_top_k` False)."""
     num_classes = logits.shape[-1]
+    check_top_k(name, top_k, num_classes)
     valid = _valid_labels(labels, num_classes)
     safe = jnp.where(valid, labels, jnp.zeros_like(labels))
     hit = valid & (_rank_of_label(logits, safe) < top_k)

@@ -151,6 +151,33 @@ def test_top_k_precision_recall_f1_match_torchmetrics(k):
     )
 
 
+def test_top_k_past_the_classes_is_refused_as_torchmetrics_does():
+    # top_k > num_classes would count every prediction correct (Accuracy returned
+    # 1.0): torchmetrics refuses it; top_k == num_classes is allowed by both
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(20, 3)).astype(np.float32)
+    labels = rng.integers(0, 3, 20)
+    with pytest.raises(ValueError):
+        tc.MulticlassAccuracy(3, top_k=4)
+    for make in (
+        lambda: esm.Accuracy(top_k=4, num_classes=3),
+        lambda: esm.Precision(3, average="macro", top_k=4),
+        lambda: esm.Recall(3, average="micro", top_k=4),
+    ):
+        with pytest.raises(ValueError, match=r"top_k=4\) ranks among 3 classes") as e:
+            make()
+        assert isinstance(e.value, es.EqxStateError)
+    # without num_classes, Accuracy finds it from the scores' class axis
+    with pytest.raises(ValueError, match=r"Use top_k <= 3"):
+        value(esm.Accuracy(top_k=4), "value", logits, labels)
+    t_logits, t_labels = torch.tensor(logits), torch.tensor(labels)
+    acc = tc.MulticlassAccuracy(3, top_k=3, average="micro")(t_logits, t_labels)
+    close(value(esm.Accuracy(top_k=3), "value", logits, labels), acc.item())
+    got = value(esm.Recall(3, average="macro", top_k=3), "ref", logits, labels)
+    want = tc.MulticlassRecall(3, top_k=3, average="macro")(t_logits, t_labels)
+    close(got, want.numpy())
+
+
 # ------------------------------------------------------------- padding labels
 
 
