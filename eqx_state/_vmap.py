@@ -11,7 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._buffer import MAPPED_AXES as _MAPPED_AXES, REF_KIND, Buffer, _is_ref, is_state
+from ._buffer import (
+    MAPPED_AXES as _MAPPED_AXES,
+    REF_KIND,
+    Buffer,
+    _is_ref,
+    is_state,
+    unbatched_message,
+)
 from ._compat import is_batched, mapped_by_same_vmap
 from ._errors import StateError, StateValueError, StateWriteError, is_whole
 from ._modes import path_str
@@ -245,6 +252,19 @@ def vmap(
             # JAX's batching rule of a loop (`lax.scan` over stacked layers) cannot
             # carry the per-example refs of this map's cells
             raise StateError(_LOOP_OVER_CELLS_MESSAGE) from e
+        except Exception as e:
+            # JAX's bare refusal of a write into a ref this map does not batch,
+            # raised by a loop or `jax.checkpoint` inside the mapped function (a
+            # direct write is translated where it happens, `_buffer._write`): a
+            # cell reached through a closure; the advice names `es.vmap` while
+            # this map is still being traced
+            if type(e) is not Exception:
+                raise
+            what = (
+                "state cell (JAX does not say which; in a loop or `jax.checkpoint` "
+                "within the mapped function)"
+            )
+            raise StateWriteError(unbatched_message(what, e)) from e
         finally:
             _MAPPED_AXES.reset(token)
         for cell, shadow in zip(cells, shadows):

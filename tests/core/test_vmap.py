@@ -362,6 +362,36 @@ def test_a_write_under_vmap_inside_remat_or_scan_gets_the_writes_own_error(
             step(bn, step.init(bn), x)
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("wrap", ["none", "checkpoint", "scan"])
+def test_a_closure_written_inside_es_vmap_gets_the_closure_advice(mode, wrap):
+    """A model closed over by the function given to `es.vmap` (not passed to it)
+    and written inside a loop or checkpoint there: JAX meets the write later, with
+    a bare `Exception`; it got the `jax.vmap` advice (value mode, through
+    `es.apply`) or escaped raw (ref mode, eager). Now the closure advice as for a
+    direct write, and the model keeps its state."""
+    bn = es.nn.BatchNorm(3, channel_axis=0, axis_name="b")
+    x = jnp.ones((4, 3))
+
+    def per_example(m):
+        if wrap == "checkpoint":
+            return jax.checkpoint(lambda xi: m(xi))
+        if wrap == "scan":
+            return lambda xi: jax.lax.scan(lambda c, _: (m(c), None), xi, None, 2)[0]
+        return lambda xi: m(xi)
+
+    match = r"(?s)inside `eqx_state.vmap`.*reached through a closure"
+    if mode == "value":
+        with pytest.raises(es.StateWriteError, match=match):
+            es.apply(lambda m, x: es.vmap(per_example(m), axis_name="b")(x), bn, x)
+    else:
+        bn = es.to_refs(bn)
+        with pytest.raises(es.StateWriteError, match=match):
+            es.vmap(per_example(bn), axis_name="b")(x)
+        assert int(bn.num_batches_tracked[...]) == 0
+        np.testing.assert_array_equal(bn.running_mean[...], np.zeros(3))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="known defect: the refusal of a metric without axis_name updated per "
