@@ -20,14 +20,20 @@ This layer changes no result; it only decides how the call reaches XLA:
 The cache is keyed by everything a trace depends on (tree structure, leaf types,
 static values, which positions alias); it holds no array and records nothing during
 tracing: what a trace learns about its outputs travels back through jit's outputs.
+Apart from it, `Compiled.call` remembers the carry it last returned, while the
+caller holds it, so that passing it back is not flattened again when its structure
+is immutable (tuples, named tuples, Equinox modules): the leaves are then exactly
+those it was built from (see `Compiled.call`).
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import operator
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -119,7 +125,7 @@ class _OutSpec:
         self.result_static = result_static
         self._gather: Any = None
 
-    def new_carry(self, carry_leaves: list, ret: list) -> list:
+    def new_carry(self, carry_leaves: Sequence[Any], ret: list) -> list:
         """The new carry's leaves: `ret[j]` at position `ret_pos[j]`, the caller's
         leaf elsewhere (one C-level gather per call, built on the first)."""
         gather = self._gather
@@ -144,7 +150,7 @@ class _Signature:
         carry_td: Any,
         arg_td: Any,
         kinds: list[int],
-        carry_leaves: list,
+        carry_leaves: Sequence[Any],
         donate,
         traced: bool = False,
         vmapped: bool = False,
@@ -462,6 +468,12 @@ class Compiled:
         self._warned_numbers = False
         self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
+        # the carry the last call returned, for the next (see `call`): (a weak
+        # reference to its first element, the other elements, its leaves, its
+        # structure), or None; and which structures are immutable
+        self._last: tuple | None = None
+        self._frozen: dict[Any, bool] = {}
+        self._forget = _forgetter(weakref.ref(self))
         # whether this process has several devices (read at the first call: JAX's
         # backend may not be up when the step is built): a call without a
         # placement then keys its plans by the layout of a carry on a mesh too
@@ -488,7 +500,9 @@ class Compiled:
             stacklevel=user_stacklevel(),
         )
 
-    def _signature(self, carry_leaves: list, carry_td: Any, leaves: list, arg_td):
+    def _signature(
+        self, carry_leaves: Sequence[Any], carry_td: Any, leaves: list, arg_td
+    ):
         types = tuple(map(type, leaves))
         key = (carry_td, arg_td, types)
         sig: Any = self._signatures.get(key)
@@ -539,15 +553,56 @@ class Compiled:
             return self.call_flat(leaves, treedef, args, kwargs, lower=True)
 
     def call(self, carry: tuple, args: tuple, kwargs: dict) -> tuple[tuple, Any]:
-        """`fn(carry, args, kwargs)`, compiled: `(new_carry, result)`."""
+        """`fn(carry, args, kwargs)`, compiled: `(new_carry, result)`.
+
+        A carry that is the very objects the previous call returned (`model,
+        opt_state = step(model, opt_state, ...)` in a loop) is not flattened again:
+        its leaves are the ones that call built it from. This is exact, not a
+        guess: it is done only when every node of the carry's structure is
+        immutable (`_frozen_structure`: tuples, named tuples, `None` and Equinox
+        modules, which refuse attribute assignment), so the objects returned then
+        still hold exactly those leaves (the same objects, which flattening would
+        give). A list, a dict (`inject_hyperparams`' `hyperparams`) or any other
+        node type anywhere in the carry is flattened on every call, so a change
+        made in place between calls is read."""
         with GcPaused():
-            leaves, treedef = jax.tree_util.tree_flatten(carry)
+            last = self._last
+            if (
+                last is not None
+                and len(carry) == len(last[1]) + 1
+                and carry[0] is last[0]()
+                and all(map(operator.is_, carry[1:], last[1]))
+            ):
+                leaves, treedef = last[2], last[3]
+            else:
+                leaves, treedef = jax.tree_util.tree_flatten(carry)
             new_leaves, result = self.call_flat(leaves, treedef, args, kwargs)
-            return treedef.unflatten(new_leaves), result
+            new = treedef.unflatten(new_leaves)
+            self._remember(new, new_leaves, treedef)
+            return new, result
+
+    def _remember(self, new: tuple, leaves: list, treedef: Any) -> None:
+        """Keep `new` (the carry a call returned) with its leaves for the next
+        call (see `call`), when its structure is immutable and no outer
+        transformation traced the call (its tracers must not outlive the trace).
+        The first element is held weakly: once the caller drops the model the
+        remembered arrays go with it."""
+        frozen = self._frozen.get(treedef)
+        if frozen is None:
+            frozen = self._frozen[treedef] = _frozen_structure(treedef)
+        if not frozen or under_trace():
+            self._last = None
+            return
+        try:
+            first = weakref.ref(new[0], self._forget)
+        except TypeError:  # not weakly referable (a bare tuple as the model)
+            self._last = None
+            return
+        self._last = (first, new[1:], tuple(leaves), treedef)
 
     def call_flat(
         self,
-        carry_leaves: list,
+        carry_leaves: Sequence[Any],
         carry_td: Any,
         args: tuple,
         kwargs: dict,
@@ -711,6 +766,55 @@ class Compiled:
 
 
 _AMBIGUOUS = object()
+
+
+def _forgetter(owner: Any) -> Callable[[Any], None]:
+    """The weakref callback that clears `owner()`'s remembered carry once the
+    caller drops its first element (`Compiled._remember`); it holds the owner
+    weakly, so the remembered carry does not keep the step alive."""
+
+    def forget(first: Any) -> None:
+        o = owner()
+        if o is not None and o._last is not None and o._last[0] is first:
+            o._last = None
+
+    return forget
+
+
+def _frozen_structure(treedef: Any) -> bool:
+    """Whether every node of `treedef` is of a type whose instances cannot change
+    what they hold: tuples (named tuples too: optax's states), `None`, and Equinox
+    modules whose `__dict__` is read as stored (Equinox's flatten reads it; a
+    module refuses attribute assignment). Lists, dicts and other node types are
+    mutable or unknown."""
+    data = treedef.node_data()
+    if data is None:  # a leaf
+        return True
+    kind = data[0]
+    if kind is tuple or kind is type(None):
+        pass
+    elif issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        pass  # a named tuple (its flatten is JAX's: the tuple's items)
+    elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
+        return False
+    return all(map(_frozen_structure, treedef.children()))
+
+
+def _reads_dict_as_stored(cls: type) -> bool:
+    """Whether `obj.__dict__` of a `cls` instance is its stored dict: no class of
+    its method resolution order defines a `__getattribute__` other than Equinox's,
+    `object`'s or the library's own (`_buffer._LayerBase`, which returns the
+    stored dict)."""
+    from ._buffer import _LayerBase
+
+    known = (
+        eqx.Module.__getattribute__,
+        object.__getattribute__,
+        _LayerBase.__getattribute__,
+    )
+    return all(
+        c.__dict__.get("__getattribute__", known[0]) in known for c in cls.__mro__
+    )
 
 
 class GcPaused:
@@ -1028,7 +1132,9 @@ def _local_batch_message(x: Any, sharding: Any) -> str:
     )
 
 
-def _refuse_escaped(carry_leaves: list, carry_td: Any, leaves: list, arg_td) -> None:
+def _refuse_escaped(
+    carry_leaves: Sequence[Any], carry_td: Any, leaves: list, arg_td
+) -> None:
     """Tracers given to a call that no transformation is tracing escaped the one
     that made them (a model returned by `eqx.filter_vmap` of a ref-mode step, or by
     a jitted function that called `es.to_refs`): name the first and the fix, before

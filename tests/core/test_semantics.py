@@ -531,6 +531,168 @@ def test_vmapped_step_leaks_no_tracer():
     assert models.steps.value.tolist() == [1, 1, 1]
 
 
+# ------------------- 6b. the carry a call returned is not flattened again (issue 23)
+
+
+class TupleMLP(eqx.Module):
+    """MLP with its layers in a tuple: every node of the model and of Adam's state
+    is immutable, so a step takes the leaves of the carry it returned."""
+
+    layers: tuple
+    bn: es.nn.BatchNorm
+    steps: es.nn.Counter
+
+    def __init__(self, key, width=8):
+        k1, k2 = jax.random.split(key)
+        self.layers = (eqx.nn.Linear(3, width, key=k1), eqx.nn.Linear(width, 2, key=k2))
+        self.bn = es.nn.BatchNorm(width, momentum=0.1)
+        self.steps = es.nn.Counter()
+
+    def __call__(self, x):
+        x = jax.nn.tanh(self.bn(jax.vmap(self.layers[0])(x)))
+        return jax.vmap(self.layers[1])(x)
+
+
+@jax.tree_util.register_pytree_node_class
+class Box:
+    """A user's mutable pytree node: its content may change in place."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def tree_flatten(self):
+        return (self.item,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+class Scaled(eqx.Module):
+    net: TupleMLP
+    scale: Box
+
+    def __call__(self, x):
+        return self.net(x) * self.scale.item
+
+
+def _scaled_loss(model, x, y):
+    model.net.steps.increment()
+    return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loop_over_returned_carries_equals_a_hand_threaded_loop(mode):
+    """`model, opt_state = step(model, opt_state, ...)` with an immutable
+    structure (the fast path) against `eqx.filter_jit` + optax with BatchNorm's
+    statistics computed by hand in float64 NumPy (PyTorch's rule)."""
+    xs, ys = data(n=5)
+    # sgd: Adam would scale the rounding-level gradient of the bias before
+    # BatchNorm up to full steps (a comparison of roundings, not of the library)
+    opt = optax.sgd(0.1, momentum=0.9)
+    step = es.make_step(
+        lambda m, x, y: (m.steps.increment(), jnp.mean((m(x) - y) ** 2))[1], opt
+    )
+    model = as_mode(TupleMLP(jax.random.key(0)), mode)
+    opt_state = step.init(model)
+    for i in range(len(xs)):
+        model, opt_state = step(model, opt_state, xs[i], ys[i])
+
+    ref = es.params(TupleMLP(jax.random.key(0)))
+
+    def forward(p, x):
+        h = jax.vmap(p.layers[0])(x)
+        mu, var = jnp.mean(h, 0), jnp.var(h, 0)
+        h = (h - mu) / jnp.sqrt(var + 1e-5) * p.bn.weight + p.bn.bias
+        return jax.vmap(p.layers[1])(jax.nn.tanh(h))
+
+    @eqx.filter_jit
+    def ref_step(p, s, x, y):
+        g = eqx.filter_grad(lambda p: jnp.mean((forward(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return eqx.apply_updates(p, u), s
+
+    s = opt.init(eqx.filter(ref, eqx.is_inexact_array))
+    mean, var = np.zeros(8), np.ones(8)
+    for i in range(len(xs)):
+        h = np.asarray(jax.vmap(ref.layers[0])(xs[i]), np.float64)
+        mean = 0.9 * mean + 0.1 * h.mean(0)
+        var = 0.9 * var + 0.1 * h.var(0, ddof=1)
+        ref, s = ref_step(ref, s, xs[i], ys[i])
+    frozen = es.freeze(model)
+    for got, want in zip(jax.tree.leaves(es.params(frozen)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(frozen.bn.running_mean.value, mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(frozen.bn.running_var.value, var, rtol=1e-5)
+    assert int(frozen.steps.value) == len(xs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mutable_node_in_a_returned_carry_is_read_on_every_call(mode):
+    """A user's own pytree node (mutable) inside an otherwise immutable model:
+    changing it in place between calls of a step and of an apply takes effect."""
+    xs, ys = data(n=3)
+    step = es.make_step(_scaled_loss, optax.sgd(0.0), return_loss=True)
+    model = as_mode(Scaled(TupleMLP(jax.random.key(0)), Box(jnp.ones(()))), mode)
+    opt_state = step.init(model)
+    model, opt_state, loss1 = step(model, opt_state, xs[0], jnp.zeros_like(ys[0]))
+    model.scale.item = jnp.full((), 2.0)  # in place, on the returned model
+    model, opt_state, loss2 = step(model, opt_state, xs[0], jnp.zeros_like(ys[0]))
+    # sgd(0): the same parameters; BatchNorm normalises with batch statistics
+    np.testing.assert_allclose(loss2, 4.0 * loss1, rtol=1e-6)
+    run = es.make_apply(lambda m, x: m(x))
+    out1, model = run(model, xs[1])
+    model.scale.item = jnp.full((), 3.0)
+    out2, model = run(model, xs[1])
+    np.testing.assert_allclose(out2, 1.5 * out1, rtol=1e-6)
+
+
+def test_a_module_reading_its_fields_its_own_way_is_flattened_on_every_call():
+    """A module class with a `__getattribute__` of its own may give Equinox's
+    flatten another `__dict__` each time: no carry with it is taken as returned."""
+    calls = []
+
+    class Odd(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __getattribute__(self, name):
+            if name == "__dict__":
+                calls.append(name)
+            return super().__getattribute__(name)
+
+        def __call__(self, x):
+            return jax.vmap(self.lin)(x)
+
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    model = Odd(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+    opt_state = step.init(model)
+    for _ in range(3):
+        model, opt_state = step(model, opt_state, jnp.ones((4, 2)))
+        before = len(calls)
+    model, opt_state = step(model, opt_state, jnp.ones((4, 2)))
+    assert len(calls) > before  # flattened again (reads `__dict__`)
+
+
+def test_the_step_keeps_no_returned_carry_alive():
+    """The carry a step returned is remembered for the next call only while the
+    caller holds the model: dropping it frees every array of the carry."""
+    xs, ys = data(n=2)
+    step = es.make_step(
+        lambda m, x, y: jnp.mean((m(x) - y) ** 2), optax.adam(1e-2), donate=False
+    )
+    model = TupleMLP(jax.random.key(0))
+    opt_state = step.init(model)
+    model, opt_state = step(model, opt_state, xs[0], ys[0])
+    model, opt_state = step(model, opt_state, xs[1], ys[1])
+    arrays = jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array))
+    refs = [weakref.ref(x) for x in (model, *arrays)]
+    del arrays
+    del model, opt_state
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert step.trace_count == 1
+
+
 # ------------------------------------------------ 7. a step that fails at run time
 
 
