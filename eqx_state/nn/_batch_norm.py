@@ -71,7 +71,8 @@ class BatchNorm(_LayerBase):
     **Padding.** `bn(x, mask=m)` computes the batch statistics from the entries
     where `m` is `True` only (Flax's `mask`): padded examples contribute nothing,
     and the statistics equal those of the unpadded batch. Every entry of `x` is
-    normalised with them. A channel with no unmasked entry has no batch
+    normalised with them (a NaN or infinite padded entry as 0, so that its
+    gradients are zero, not NaN: padding may be left unset). A channel with no unmasked entry has no batch
     statistics: its output is NaN, as Flax's (mask the loss with `jnp.where`, not
     by multiplying, so the NaN of padding stays out of it; gradients through the
     channel are zero, not NaN), and it keeps its running statistics
@@ -398,6 +399,12 @@ class BatchNorm(_LayerBase):
                     "statistics."
                 )
             m = None if mask is None else self._mask(mask, x)
+            if m is not None:
+                # padding may hold NaN or inf (unset rows): as 0 it is finite, so
+                # the zero cotangents of masked entries never meet an infinite
+                # partial derivative (NaN gradients of weight, bias and the
+                # unmasked entries); finite padding is normalised as it was
+                xc = jnp.where(m | jnp.isfinite(xc), xc, jnp.zeros((), cdtype))
             mean, var, n = self._batch_stats(xc, red, shape, m)
             if isinstance(n, int) and n == 1:
                 raise StateValueError(self._one_value_message(x.shape))

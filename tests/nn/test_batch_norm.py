@@ -357,6 +357,44 @@ def test_mask_equals_torch_on_the_unpadded_batch(mode, shape):
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("pad", [np.nan, np.inf, -np.inf, 1e30])
+def test_mask_gradients_equal_torch_on_the_unpadded_batch(mode, pad):
+    """Gradients with padding left unset (NaN, inf): the masked-loss idiom gave
+    finite losses and NaN weight and bias after one step (a probe's finding).
+    Reference: torch.nn.BatchNorm1d on the unpadded rows, one SGD step."""
+    rng = np.random.default_rng(4)
+    keep, target = 6, rng.normal(size=(10, 3)).astype(np.float32)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    x[keep:] = pad
+    rows = jnp.asarray(np.arange(10) < keep)
+
+    def loss(bn, x):
+        y = jnp.where(rows[:, None], bn(x, mask=rows[:, None]), 0.0)
+        return jnp.sum(jnp.where(rows[:, None], (y - target) ** 2, 0.0)) / keep
+
+    tbn = torch.nn.BatchNorm1d(3)
+    t = (tbn(torch.from_numpy(x[:keep])) - torch.from_numpy(target[:keep])) ** 2
+    (t.sum() / keep).backward()
+    bn = es.nn.BatchNorm(3)
+    if mode == "ref":
+        bn = es.to_refs(bn)
+    step = es.make_step(loss, optax.sgd(1.0))
+    bn, _ = step(bn, step.init(bn), jnp.asarray(x))
+    np.testing.assert_allclose(1.0 - np.asarray(bn.weight), tbn.weight.grad, atol=1e-5)
+    np.testing.assert_allclose(-np.asarray(bn.bias), tbn.bias.grad, atol=1e-5)
+    np.testing.assert_allclose(bn.running_mean[...], tbn.running_mean, atol=1e-6)
+    np.testing.assert_allclose(bn.running_var[...], tbn.running_var, rtol=1e-5)
+    # the gradient of the input: finite, and the kept rows' equal torch's
+    xt = torch.from_numpy(x[:keep]).requires_grad_()
+    tbn2 = torch.nn.BatchNorm1d(3)
+    ((tbn2(xt) - torch.from_numpy(target[:keep])) ** 2).sum().div(keep).backward()
+    gx = jax.grad(lambda x: es.apply(loss, es.nn.BatchNorm(3), x)[0])(jnp.asarray(x))
+    assert np.all(np.isfinite(gx))
+    np.testing.assert_allclose(gx[:keep], xt.grad, atol=1e-5)
+    np.testing.assert_array_equal(gx[keep:], 0.0)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
 def test_mask_under_axis_name_equals_torch_on_the_unpadded_batch(mode):
     rng = np.random.default_rng(4)
     bn = es.nn.BatchNorm(3, channel_axis=0, axis_name="batch")
