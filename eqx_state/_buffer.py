@@ -271,15 +271,27 @@ def check_cell_dtype(
     if jnp.issubdtype(dtype, kind) and info(dtype).bits >= min_bits:
         return
     name = "a real floating" if kind is jnp.floating else "an integer"
-    field = next((k for k, v in vars(layer).items() if v is buf), "?")
+    field = next(
+        (
+            k if v is buf else f"{k}[{[x is buf for x in v].index(True)}]"
+            for k, v in vars(layer).items()
+            if v is buf or isinstance(v, tuple) and any(x is buf for x in v)
+        ),
+        "?",
+    )
     raise StateTypeError(
-        f"{owner}{layer_path(layer)}: its `{field}`, a {describe(buf)}, holds {dtype}, "
+        f"{owner}{layer_path(layer)}: its `{field}` ({describe(buf)}) holds {dtype}, "
         "but it keeps "
         f"this state in {name} dtype"
         + (f" of at least {min_bits} bits" if min_bits else "")
         + ": its values would be truncated or wrap around. The cell was replaced "
-        "after the layer was built (`eqx.tree_at`, a checkpoint of another dtype); "
-        "rebuild the layer, or put back a cell of the dtype the layer made."
+        "or cast after the layer was built (`eqx.tree_at`, a checkpoint of another "
+        "dtype, or a model cast wholesale, `jax.tree.map(lambda x: "
+        "x.astype(jnp.bfloat16), model)`); rebuild the layer, or put back a cell "
+        "of the dtype the layer made. To cast a model's parameters only, hand "
+        "each cell to the function whole: `jax.tree.map(lambda x: "
+        "x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model, "
+        "is_leaf=es.is_state)`."
     )
 
 

@@ -97,6 +97,8 @@ class Accuracy(Metric):
     ```
     """
 
+    _wide_cells = ("correct", "total")
+
     correct: MetricState
     total: MetricState
     top_k: int = eqx.field(static=True)

@@ -9,7 +9,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MetricState, _LayerBase, describe, is_state
+from .._buffer import MetricState, _LayerBase, check_cell_dtype, describe, is_state
 from .._compat import Tracer
 from .._errors import (
     StateNotImplementedError,
@@ -713,6 +713,9 @@ class Metric(_LayerBase):
     """
 
     axis_name: Hashable | None = eqx.field(static=True, default=None, kw_only=True)
+    # the statistics a built-in metric keeps in 32 bits or more (refused narrower
+    # when built): `accumulate` refuses them cast narrower afterwards
+    _wide_cells: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any):
         # A statistic given as a field's default becomes a default factory, so that
@@ -830,6 +833,14 @@ class Metric(_LayerBase):
         """
         cells = self._statistic_cells()
         name = type(self).__name__
+        for k in self._wide_cells:
+            # built 32 bits or wider (`_check_dtype`), cast narrower since (a
+            # model cast wholesale): a bfloat16 sum stops growing at 256
+            cell = cells[k]
+            kind = (
+                jnp.integer if jnp.issubdtype(cell.dtype, jnp.integer) else jnp.floating
+            )
+            check_cell_dtype(name, self, cell, kind, 32)
         if set(batch) != set(cells):
             raise StateTypeError(
                 f"{name}.accumulate got the statistics {sorted(batch)}; it needs one "

@@ -65,6 +65,8 @@ class _ConfusionMetric(Metric):
     (multi-label: per label `[[tn, fp], [fn, tp]]`, as
     `sklearn.metrics.multilabel_confusion_matrix`)."""
 
+    _wide_cells = ("matrix",)
+
     matrix: MetricState
     num_classes: int = eqx.field(static=True)
     top_k: int = eqx.field(static=True)

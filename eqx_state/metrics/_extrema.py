@@ -30,6 +30,7 @@ class _Extremum(Metric):
     nan_strategy: str = eqx.field(static=True)
 
     _reduction: ClassVar[str] = "min"
+    _wide_cells = ("count",)
 
     def __init__(
         self,

@@ -246,6 +246,8 @@ class Histogram(Metric):
     ```
     """
 
+    _wide_cells = ("counts", "below", "above")
+
     counts: MetricState
     below: MetricState
     above: MetricState

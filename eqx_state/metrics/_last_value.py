@@ -56,6 +56,8 @@ class LastValue(Metric):
     ```
     """
 
+    _wide_cells = ("count",)
+
     value: MetricState
     count: MetricState
     shape: tuple[int, ...] = eqx.field(static=True)

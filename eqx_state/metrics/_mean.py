@@ -61,6 +61,8 @@ class Mean(Metric):
     ```
     """
 
+    _wide_cells = ("total", "weight")
+
     total: MetricState
     weight: MetricState
     nan_strategy: str = eqx.field(static=True)
@@ -142,6 +144,8 @@ class Sum(Metric):
     assert float(total.compute()) == 6.0
     ```
     """
+
+    _wide_cells = ("total",)
 
     total: MetricState
     nan_strategy: str = eqx.field(static=True)

@@ -81,6 +81,8 @@ class MeanStd(Metric):
     ```
     """
 
+    _wide_cells = ("count", "mean", "m2")
+
     count: MetricState
     mean: MetricState
     m2: MetricState

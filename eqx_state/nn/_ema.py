@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
-from .._buffer import AverageState, _is_param, _LayerBase, is_state, params
+from .._buffer import (
+    AverageState,
+    _is_param,
+    _LayerBase,
+    check_cell_dtype,
+    is_state,
+    params,
+)
 from .._errors import StateValueError, check_bool, check_int, check_real
 from ._complex import refuse_complex
 from ._counter import saturating_add
@@ -130,6 +137,9 @@ class EMA(_LayerBase):
     count: AverageState
     treedef: Any = eqx.field(static=True)
     dtypes: tuple[Any, ...] = eqx.field(static=True)
+    # the dtypes the average is kept in (`accumulation_dtype`): a cell cast
+    # narrower afterwards is refused at `update`
+    accumulation: tuple[Any, ...] = eqx.field(static=True)
     decay: float = eqx.field(static=True)
     zero_debias: bool = eqx.field(static=True)
     warmup_length: int = eqx.field(static=True)
@@ -197,6 +207,7 @@ class EMA(_LayerBase):
         self.count = AverageState(jnp.zeros((), jnp.int32), init=0)
         self.treedef = treedef
         self.dtypes = dtypes
+        self.accumulation = tuple(acc)
         self.decay = float(decay)
         self.zero_debias = zero_debias
         self.warmup_length = int(warmup_length)
@@ -310,6 +321,15 @@ class EMA(_LayerBase):
                 )
         if inference_flag(self):
             return
+        for cell, built in zip(self.hidden, self.accumulation):
+            # a cell cast narrower than the EMA keeps it (a model cast wholesale
+            # to bfloat16): a decay of 0.999 rounds to 1 and the average stalls
+            bits = jnp.finfo(built).bits
+            if (
+                not jnp.issubdtype(cell.dtype, jnp.inexact)
+                or jnp.finfo(cell.dtype).bits < bits
+            ):
+                check_cell_dtype("EMA", self, cell, jnp.floating, bits)
         count = saturating_add(self.count[...], 1)
         self.count[...] = count
         t = count - self.warmup_length  # Haiku's counter: <= 0 during warm-up
