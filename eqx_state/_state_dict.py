@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import Buffer, RngState, check_live, is_state
+from ._buffer import Buffer, RecordState, RngState, check_live, is_state
 from ._checkpoint import _check_refs_unshared, _make_weak
 from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
 from ._modes import to_refs
@@ -149,8 +149,14 @@ def state_dict(model: Any) -> dict[str, np.ndarray | jax.ShapeDtypeStruct]:
     `torch.nn.Module.load_state_dict` casts it). PRNG key cells give their key data
     (`jax.random.key_data`).
 
+    **Stacked layers** (built with `eqx.filter_vmap`: an ensemble, or layers
+    stacked for `jax.lax.scan`) give each member's PyTorch arrays stacked along the
+    leading axes (`np.stack` of the members' state dicts), and
+    [`eqx_state.load_state_dict`][] takes that layout.
+
     What PyTorch has no buffer for is left out: `es.nn.Record` / `Capture`
-    recordings (diagnostics; `es.save` keeps them). A zero-debiased
+    recordings (diagnostics; `es.save` keeps them; loading into an abstract model
+    gives them their initial values). A zero-debiased
     [`eqx_state.nn.EMA`][] exports its debiased average (PyTorch's meaning) and
     loading multiplies the correction back in float32, so its round trip is exact
     to float32 rounding, not bit for bit: resume such a run with [`eqx_state.save`][].
@@ -358,6 +364,8 @@ class _Loader:
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.no_value: list[str] = []  # missing, and the model has no value either
+        # (name, layer) of each `eqx.nn.MultiheadAttention`, for the error's hint
+        self.attention: list[tuple[str, Any]] = []
 
     def take(
         self, name: str, old: Any = None, alts: Sequence[str] = ()
@@ -388,6 +396,8 @@ class _Loader:
         return jax.tree_util.tree_unflatten(treedef, new)
 
     def leaf(self, name: str, leaf: Any) -> Any:
+        if isinstance(leaf, RecordState):
+            return self.recording(name, leaf)
         if isinstance(leaf, _SKIPPED):
             return leaf
         if is_state(leaf):
@@ -406,6 +416,20 @@ class _Loader:
             return leaf
         want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
         return _placed(_weak_like(_checked(value, key, want, where), leaf), leaf)
+
+    def recording(self, name: str, cell: RecordState) -> RecordState:
+        """A recording (`es.nn.Record`, `Capture`) is in no state dict. In an
+        abstract model it gets its initial value, as a fresh model has it (like
+        `num_batches_tracked` absent from an old state dict): every cell then has
+        a value, and a training call, a step or `es.save` work on the result."""
+        old = cell.value
+        if not isinstance(old, jax.ShapeDtypeStruct):
+            return cell
+        if cell.init is None:  # nothing to fill with: reported as having no value
+            self.no_value.append(name)
+            return cell
+        fill = jnp.full(old.shape, cell.init, old.dtype)
+        return eqx.tree_at(lambda c: c.value, cell, fill)
 
     def cell(self, name: str, cell: Buffer) -> Buffer:
         ref_mode = isinstance(cell.value, jax.Ref)
@@ -442,6 +466,8 @@ class _Loader:
 
     def converted(self, name: str, module: Any, conv: _Converter) -> Any:
         _check_module(module, name)
+        if isinstance(module, eqx.nn.MultiheadAttention):
+            self.attention.append((name, module))
         view = _view(module, conv)
         aliases = conv.aliases(module)
         where = f"{_desc(module)}, in PyTorch's layout"
@@ -516,7 +542,53 @@ def _seeded(name: str, old: jax.ShapeDtypeStruct) -> jax.Array:
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _mismatch_message(model: Any, missing: list[str], unexpected: list[str]) -> str:
+def _bias_hints(loader: _Loader, unexpected: list[str]) -> list[str]:
+    """Hints for unexpected biases of layers built without them (Equinox's
+    defaults differ from PyTorch's: `eqx.nn.MultiheadAttention` has none)."""
+    hints = []
+    extra = set(unexpected)
+    for name, m in loader.attention:
+        biases = [
+            k
+            for k, has in (
+                ("in_proj_bias", m.use_query_bias),
+                ("out_proj.bias", m.use_output_bias),
+            )
+            if not has and _join(name, k) in extra
+        ]
+        if biases:
+            extra -= {_join(name, k) for k in biases}
+            where = f"at `{name}`" if name else "(the model itself)"
+            hints.append(
+                f"the `eqx.nn.MultiheadAttention` {where} was built without the "
+                "biases that the state dict has ("
+                + ", ".join(f"`{_join(name, k)}`" for k in biases)
+                + "; PyTorch's have biases by default, Equinox's do not): build it "
+                "with `use_query_bias=True, use_key_bias=True, use_value_bias=True, "
+                "use_output_bias=True`. `strict=False` would drop those biases, "
+                "and the layer would compute something else"
+            )
+    layers = [
+        k.removesuffix("bias").removesuffix(".")
+        for k in sorted(extra)
+        if k.rsplit(".", 1)[-1] == "bias"
+        and _join(k.removesuffix("bias").removesuffix("."), "weight") in loader.used
+    ]
+    if layers:
+        hints.append(
+            "the layer(s) at "
+            + ", ".join(f"`{n}`" if n else "the top" for n in layers)
+            + " were built without the bias that the state dict has: build them "
+            "with their bias (`use_bias=True` for `eqx.nn.Linear`, the "
+            "convolutions, `eqx.nn.LayerNorm`), not `strict=False`, which would "
+            "drop it"
+        )
+    return hints
+
+
+def _mismatch_message(
+    model: Any, missing: list[str], unexpected: list[str], loader: _Loader
+) -> str:
     lines = [f"Error(s) in loading a state dict into {type(model).__name__}:"]
     if missing:
         lines.append("  Missing key(s) in state_dict: " + ", ".join(missing) + ".")
@@ -524,7 +596,7 @@ def _mismatch_message(model: Any, missing: list[str], unexpected: list[str]) -> 
         lines.append(
             "  Unexpected key(s) in state_dict: " + ", ".join(unexpected) + "."
         )
-    hints = []
+    hints = _bias_hints(loader, unexpected)
     has_ema = any(
         isinstance(x, EMA)
         for x in jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, EMA))
@@ -619,6 +691,11 @@ def load_state_dict(
     `strict=False` loads a PyTorch model into an abstract port that has `Dropout`s.
     To seed it otherwise, put its key data in the state dict
     (`sd["drop.rng.key"] = jax.random.key_data(jax.random.key(seed))`).
+    Recordings (`es.nn.Record`, `Capture`), which no state dict holds, get their
+    initial values, as in a freshly built model. A metric's statistics have no
+    such fallback: an abstract model's metric that the state dict does not give
+    values is refused, with `strict=False` too (build the model with real arrays,
+    or add the statistics to the state dict).
 
     This is functional, like everything in Equinox: the model passed in is left
     unchanged. In value mode the returned model holds new arrays; in **ref mode**
@@ -688,6 +765,6 @@ def load_state_dict(
         )
     if strict:
         if missing or unexpected:
-            raise StateValueError(_mismatch_message(model, missing, unexpected))
+            raise StateValueError(_mismatch_message(model, missing, unexpected, loader))
         return new
     return new, IncompatibleKeys(missing, unexpected)

@@ -104,7 +104,10 @@ def register_torch_names(
         sub-tree (a layer, a list of layers), which is named under its key by the
         same rules, its own conversion included; `None` is skipped. Use `jnp`
         operations only: for an abstract model (`eqx.filter_eval_shape`) it runs
-        under `eqx.filter_eval_shape` to give the shapes.
+        under `eqx.filter_eval_shape` to give the shapes In a model stacked with
+        `eqx.filter_vmap` the module's arrays have leading (stacked) axes: write
+        the conversion on the trailing axes (`x[..., :n]`, `axis=-1`) so that it
+        holds per member, as the built-in ones do.
     - `from_torch(module, view)` gets a dict with the same keys and the loaded
         values (arrays in PyTorch's layout, loaded cells, loaded sub-trees) and
         returns the module holding them. Keys that a `strict=False` load did not
@@ -209,12 +212,25 @@ def _module_view(module: Any) -> tuple[dict[str, Any], Callable[[dict[str, Any]]
     return view, lambda a: jax.tree_util.tree_unflatten(treedef, [a[k] for k in view])
 
 
-def _spatial(w: Any) -> tuple[int, ...]:
-    return tuple(range(2, w.ndim))
+# Stacked layers. A model built with `eqx.filter_vmap` (an ensemble, or layers
+# stacked for `jax.lax.scan`) holds each layer's arrays with extra leading axes, one
+# per stacking. Every conversion below works on the trailing axes (the layer's own
+# rank, known from its static fields) and keeps the leading ones, so a stacked
+# layer's PyTorch arrays are its members' arrays, stacked along the same leading
+# axes, in both directions.
+def _lead(x: Any, own_ndim: int) -> int:
+    """The number of leading (stacked) axes of `x` beyond the layer's own rank."""
+    return max(x.ndim - own_ndim, 0)
+
+
+def _conv_lead(m: Any) -> int:
+    return _lead(m.weight, m.num_spatial_dims + 2)
 
 
 def _bias_view(m: Any) -> dict[str, Any]:
-    return {} if m.bias is None else {"bias": m.bias.reshape(-1)}
+    if m.bias is None:
+        return {}
+    return {"bias": m.bias.reshape(m.bias.shape[: _conv_lead(m)] + (-1,))}
 
 
 def _with_bias(m: Any, a: dict[str, Any]) -> Any:
@@ -234,25 +250,44 @@ def _conv_from_torch(m: Any, a: dict[str, Any]) -> Any:
 
 # Equinox's ConvTranspose weight is the forward convolution's kernel
 # `[out, in/groups, *k]`, flipped in space; PyTorch's is `[in, out/groups, *k]`.
+def _spatial(w: Any, n: int) -> tuple[int, ...]:
+    return tuple(range(w.ndim - n, w.ndim))
+
+
 def _convt_to_torch(m: Any) -> dict[str, Any]:
-    w = jnp.flip(m.weight, _spatial(m.weight))
-    g, k = m.groups, w.shape[2:]
-    out_c, in_g = w.shape[0], w.shape[1]
-    w = w.reshape((g, out_c // g, in_g) + k).swapaxes(1, 2)
-    return {"weight": w.reshape((g * in_g, out_c // g) + k), **_bias_view(m)}
+    n, lead = m.num_spatial_dims, _conv_lead(m)
+    w = jnp.flip(m.weight, _spatial(m.weight, n))
+    stack, g, k = w.shape[:lead], m.groups, w.shape[lead + 2 :]
+    out_c, in_g = w.shape[lead], w.shape[lead + 1]
+    w = w.reshape(stack + (g, out_c // g, in_g) + k).swapaxes(lead + 1, lead + 2)
+    return {"weight": w.reshape(stack + (g * in_g, out_c // g) + k), **_bias_view(m)}
 
 
 def _convt_from_torch(m: Any, a: dict[str, Any]) -> Any:
-    t = a["weight"]
-    g, k = m.groups, t.shape[2:]
-    in_c, out_g = t.shape[0], t.shape[1]
-    w = t.reshape((g, in_c // g, out_g) + k).swapaxes(1, 2)
-    w = w.reshape((g * out_g, in_c // g) + k)
-    return _with_bias(eqx.tree_at(lambda x: x.weight, m, jnp.flip(w, _spatial(w))), a)
+    t, n, lead = a["weight"], m.num_spatial_dims, _conv_lead(m)
+    stack, g, k = t.shape[:lead], m.groups, t.shape[lead + 2 :]
+    in_c, out_g = t.shape[lead], t.shape[lead + 1]
+    w = t.reshape(stack + (g, in_c // g, out_g) + k).swapaxes(lead + 1, lead + 2)
+    w = w.reshape(stack + (g * out_g, in_c // g) + k)
+    w = jnp.flip(w, _spatial(w, n))
+    return _with_bias(eqx.tree_at(lambda x: x.weight, m, w), a)
+
+
+def _prelu_lead(m: Any) -> int:
+    """A member's slope has at most one axis longer than 1 (its channels, first:
+    `[C, 1, ...]`, or `[C]`), as PyTorch's `[num_parameters]` along the channel
+    axis; the axes before the last longer one are stacked axes. (A stacked PReLU
+    whose members have one slope each cannot be told from one PReLU with a slope per
+    channel: it is read as the latter.)"""
+    shape = m.negative_slope.shape
+    longer = [i for i, s in enumerate(shape) if s > 1]
+    return longer[-1] if len(longer) > 1 else 0
 
 
 def _prelu_to_torch(m: Any) -> dict[str, Any]:
-    return {"weight": m.negative_slope.reshape(-1)}  # PyTorch: [num_parameters]
+    w = m.negative_slope
+    # PyTorch: [num_parameters] (per member)
+    return {"weight": w.reshape(w.shape[: _prelu_lead(m)] + (-1,))}
 
 
 def _prelu_from_torch(m: Any, a: dict[str, Any]) -> Any:
@@ -283,12 +318,12 @@ def _mha_to_torch(m: Any) -> dict[str, Any]:
     projs = (m.query_proj, m.key_proj, m.value_proj)
     out: dict[str, Any] = {}
     if _mha_packed(m):
-        out["in_proj_weight"] = jnp.concatenate([p.weight for p in projs])
+        out["in_proj_weight"] = jnp.concatenate([p.weight for p in projs], axis=-2)
     else:
         for n, p in zip("qkv", projs):
             out[f"{n}_proj_weight"] = p.weight
     if m.use_query_bias:
-        out["in_proj_bias"] = jnp.concatenate([p.bias for p in projs])
+        out["in_proj_bias"] = jnp.concatenate([p.bias for p in projs], axis=-1)
     out["out_proj.weight"] = m.output_proj.weight
     if m.use_output_bias:
         out["out_proj.bias"] = m.output_proj.bias
@@ -298,14 +333,14 @@ def _mha_to_torch(m: Any) -> dict[str, Any]:
 def _mha_from_torch(m: Any, a: dict[str, Any]) -> Any:
     e = m.query_size
     if _mha_packed(m):
-        ws = [a["in_proj_weight"][i * e : (i + 1) * e] for i in range(3)]
+        ws = [a["in_proj_weight"][..., i * e : (i + 1) * e, :] for i in range(3)]
     else:
         ws = [a[f"{n}_proj_weight"] for n in "qkv"]
     m = eqx.tree_at(
         lambda x: (x.query_proj.weight, x.key_proj.weight, x.value_proj.weight), m, ws
     )
     if m.use_query_bias:
-        bs = [a["in_proj_bias"][i * e : (i + 1) * e] for i in range(3)]
+        bs = [a["in_proj_bias"][..., i * e : (i + 1) * e] for i in range(3)]
         m = eqx.tree_at(
             lambda x: (x.query_proj.bias, x.key_proj.bias, x.value_proj.bias), m, bs
         )
@@ -343,9 +378,8 @@ def _gru_to_torch(m: Any) -> dict[str, Any]:
     if m.bias is not None:
         h = m.hidden_size
         out["bias_ih"] = m.bias
-        out["bias_hh"] = jnp.concatenate(
-            [jnp.zeros((2 * h,), m.bias_n.dtype), m.bias_n]
-        )
+        zeros = jnp.zeros(m.bias_n.shape[:-1] + (2 * h,), m.bias_n.dtype)
+        out["bias_hh"] = jnp.concatenate([zeros, m.bias_n], axis=-1)
     return out
 
 
@@ -356,8 +390,10 @@ def _gru_from_torch(m: Any, a: dict[str, Any]) -> Any:
     if m.bias is not None:
         h = m.hidden_size
         b_ih, b_hh = a["bias_ih"], a["bias_hh"]
-        bias = jnp.concatenate([b_ih[: 2 * h] + b_hh[: 2 * h], b_ih[2 * h :]])
-        m = eqx.tree_at(lambda x: (x.bias, x.bias_n), m, (bias, b_hh[2 * h :]))
+        bias = jnp.concatenate(
+            [b_ih[..., : 2 * h] + b_hh[..., : 2 * h], b_ih[..., 2 * h :]], axis=-1
+        )
+        m = eqx.tree_at(lambda x: (x.bias, x.bias_n), m, (bias, b_hh[..., 2 * h :]))
     return m
 
 
@@ -395,8 +431,9 @@ def _sn_v(sn: Any, v: Any) -> Any:
     space (as the kernels are); its own inverse. Other layers: unchanged."""
     if not (isinstance(sn.layer, eqx.nn.ConvTranspose) and sn.dim == 0):
         return v
-    k = sn.weight.shape[2:]
-    shaped = v.reshape((-1,) + k)
+    w = sn.weight
+    k = w.shape[w.ndim - sn.layer.num_spatial_dims :]  # a member's kernel size
+    shaped = v.reshape((-1,) + k)  # rows of each member together (stacked too)
     return jnp.flip(shaped, tuple(range(1, shaped.ndim))).reshape(v.shape)
 
 
@@ -469,14 +506,21 @@ def _ema_correction(ema: Any, count: Any, dtype: Any) -> Any:
     return 1 - jnp.power(d, count.astype(dtype))
 
 
+def _per_member(count: Any, x: Any) -> Any:
+    """The count (a scalar per member; stacked: the leading axes) shaped to
+    broadcast against `x` along the leading axes, not the trailing ones."""
+    return count.reshape(count.shape + (1,) * (x.ndim - count.ndim))
+
+
 def _ema_to_torch(ema: Any) -> dict[str, Any]:
     count = ema.count[...]
     hidden = [cell[...] for cell in ema.hidden]
     if ema.zero_debias:
         hidden = [
-            jnp.where(count > 0, h / jnp.where(count > 0, c, 1), h)
+            jnp.where(n > 0, h / jnp.where(n > 0, c, 1), h)
             for h in hidden
-            for c in [_ema_correction(ema, count, h.dtype)]
+            for n in [_per_member(count, h)]
+            for c in [_ema_correction(ema, n, h.dtype)]
         ]
     module = jax.tree_util.tree_unflatten(ema.treedef, hidden)
     return {"n_averaged": count, "module": module}
@@ -487,8 +531,9 @@ def _ema_from_torch(ema: Any, a: dict[str, Any]) -> Any:
     leaves = jax.tree_util.tree_leaves(a["module"])
     if ema.zero_debias:
         leaves = [
-            jnp.where(count > 0, x * _ema_correction(ema, count, x.dtype), x)
+            jnp.where(n > 0, x * _ema_correction(ema, n, x.dtype), x)
             for x in leaves
+            for n in [_per_member(count, x)]
         ]
     hidden = tuple(_cell_with(c, x) for c, x in zip(ema.hidden, leaves))
     return eqx.tree_at(
