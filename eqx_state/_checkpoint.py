@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import numbers
 import os
 import re
 import secrets
@@ -144,6 +145,38 @@ def _is_python_scalar(x: Any) -> bool:
     return type(x) in (bool, int, float, complex)
 
 
+def _python_type(x: Any) -> type | None:
+    """The Python number type (`bool`, `int`, `float`, `complex`) a leaf is saved
+    as: its own type, or the one a subclass derives from (an `enum.IntEnum` is an
+    `int`: saved as its value, restored as `like`'s type by `_python_leaf`); None
+    for anything else. NumPy scalars are NumPy data (`np.float64` is a `float`)."""
+    if isinstance(x, np.generic):
+        return None
+    for base in (bool, int, float, complex):
+        if isinstance(x, base):
+            return base
+    return None
+
+
+def _python_leaf(value: Any, like: Any, where: str, source: str) -> Any:
+    """The one rule by which every load path (`es.load`, `es.from_orbax`) gives back
+    a saved Python number `value` (a plain `bool`/`int`/`float`/`complex`): as the
+    type of `like`'s leaf, a subclass (an `enum.IntEnum`) rebuilt from the value.
+    A value that type refuses (no member of the enum) raises `CheckpointError`."""
+    cls = type(like)
+    base = _python_type(like)
+    if base is None or cls is base:
+        return (base or type(value))(value)
+    try:
+        return cls(value)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"At {where} {source} holds the {base.__name__} {value!r}, which "
+            f"`like`'s type {cls.__qualname__} cannot hold ({e}). Build `like` the "
+            "way the saved tree was built."
+        ) from e
+
+
 def _is_key_dtype(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -233,9 +266,57 @@ def _numpy_kinds_agree(saved: str, like: str, shapes: set[tuple[int, ...]]) -> b
 
 
 def _is_saved(x: Any) -> bool:
-    return isinstance(
-        x, (jax.Array, jax.Ref, np.ndarray, np.generic)
-    ) or _is_python_scalar(x)
+    """Whether a leaf of `like` is a position that a checkpoint fills (what
+    `saved_value` writes a value for)."""
+    return isinstance(x, (jax.Array, jax.Ref, np.ndarray, np.generic)) or (
+        _python_type(x) is not None
+    )
+
+
+_ARRAY_PROTOCOLS = (
+    "__array__",
+    "__array_interface__",
+    "__cuda_array_interface__",
+    "__dlpack__",
+    "__jax_array__",
+)
+
+
+def _refuse_other_data(x: Any, caller: str, leaf: str) -> None:
+    """Refuse a leaf that holds data no persistence path writes, which would
+    otherwise be skipped like a function and come back as `like`'s value: an array
+    of another library (a `torch.Tensor`) and a number that is not a Python
+    `bool`/`int`/`float`/`complex` (a `Fraction`, a `Decimal`)."""
+    cls = type(x)
+    what = f"{cls.__module__}.{cls.__qualname__}"
+    if any(hasattr(cls, name) for name in _ARRAY_PROTOCOLS):
+        if cls.__module__.split(".")[0] == "torch":
+            fix = (
+                "Convert it to a JAX array before saving, "
+                "`jnp.asarray(t.detach().cpu().numpy())` (or keep it NumPy, "
+                "`t.detach().cpu().numpy()`)"
+            )
+        else:
+            fix = (
+                "Convert it to a JAX or NumPy array before saving "
+                "(`jnp.asarray(np.asarray(x))`, `np.asarray(x)`)"
+            )
+        raise CheckpointError(
+            f"Cannot save the {leaf}: it is a {what}, an array of another library, "
+            f"which `{caller}` does not write (it would come back as `like`'s "
+            f"value). {fix}, or keep it out of the saved tree (e.g. as a static "
+            "field, `eqx.field(static=True)`)."
+        )
+    if isinstance(x, numbers.Number):
+        raise CheckpointError(
+            f"Cannot save the {leaf}: it is a number of type {what} ({x!r}), which "
+            f"`{caller}` does not write: a checkpoint stores Python bool, int, float "
+            "and complex leaves, JAX and NumPy arrays (it would come back as "
+            "`like`'s value). Convert it to one of those (`float(x)` rounds; a "
+            "`Fraction`'s `numerator` and `denominator` as two int leaves keep it "
+            "exact), or keep it out of the saved tree (e.g. as a static field, "
+            "`eqx.field(static=True)`)."
+        )
 
 
 def _little(arr: np.ndarray) -> np.ndarray:
@@ -274,40 +355,69 @@ def _check_dtype(leaf: str, dtype: np.dtype) -> None:
 def saved_value(x: Any, caller: str, leaf: str, cell: str | None = None) -> Any:
     """The one rule of every persistence path (`es.save`, `es.to_orbax`,
     `es.serialise_filter_spec`) for one leaf `x`: the value to write (a ref-mode
-    cell's is a snapshot of its array), or None for a leaf that is not state (a
-    function, a string: written by no path). A tracer, an array a donating step
-    consumed, and a NumPy dtype no checkpoint restores (`_check_dtype`) are
-    refused, naming `caller` and the leaf: `leaf` (`"leaf at ['x']"`) and, for a
-    ref, `cell` (`"ref-mode cell at ['x']"`; `leaf` if None)."""
+    cell's is a snapshot of its array; a subclass of a Python number, such as an
+    `enum.IntEnum`, is its plain value), or None for a leaf that is not state (a
+    function, a string: written by no path). Refused, naming `caller` and the
+    leaf: a tracer, an abstract array (`jax.ShapeDtypeStruct`), an array a
+    donating step consumed, a NumPy masked array, a NumPy dtype no checkpoint
+    restores (`_check_dtype`), a Python int beyond 64 bits, and data of other
+    kinds that would otherwise be skipped (`_refuse_other_data`). `leaf` is
+    `"leaf at ['x']"` and, for a ref, `cell` (`"ref-mode cell at ['x']"`; `leaf`
+    if None)."""
     if isinstance(x, Tracer):
         raise CheckpointError(
             f"Cannot save the {leaf}: it is a tracer (`{caller}` was called "
             "inside `jax.jit`, `grad` or `vmap`). Save outside transformed code, on the "
             "values the transformed function returns."
         )
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise CheckpointError(
+            f"Cannot save the {leaf}: it is an abstract array (a "
+            f"`jax.ShapeDtypeStruct` of {np.dtype(x.dtype).name}{list(x.shape)}, e.g. "
+            "from `eqx.filter_eval_shape`), which holds no values, so the "
+            f"checkpoint would lack it. Give `{caller}` a concrete tree: build the "
+            "model, or fill the abstract one first (`es.load(path, like=abstract)`)."
+        )
     if isinstance(x, jax.Ref):
         return _read_ref(x, cell or leaf)
     if isinstance(x, jax.Array):
         _check_live(x, leaf)
         return x
+    if isinstance(x, np.ma.MaskedArray):
+        raise CheckpointError(
+            f"Cannot save the {leaf}: it is a NumPy masked array, whose mask no "
+            "checkpoint stores (it would come back as a plain array, its masked "
+            "entries unmasked). Save its data and mask as two arrays, `x.data` and "
+            "`np.ma.getmaskarray(x)`, and rebuild it after loading with "
+            "`np.ma.masked_array(data, mask=mask)`."
+        )
     if isinstance(x, np.ndarray | np.generic):
         _check_dtype(leaf, np.asarray(x).dtype)
         return x
-    if _is_python_scalar(x):
-        if type(x) is int and not -(2**63) <= x < 2**64:
+    base = _python_type(x)
+    if base is not None:
+        value = x if type(x) is base else base(x)
+        if base is int and not -(2**63) <= value < 2**64:
             raise CheckpointError(
-                f"Cannot save the {leaf}: the Python int {x} does not fit in 64 bits "
-                "(a checkpoint holds ints from -2**63 to 2**64 - 1). Save it as a "
-                "string, or split it into 64-bit parts."
+                f"Cannot save the {leaf}: the Python int {value} does not fit in 64 "
+                "bits (a checkpoint holds ints from -2**63 to 2**64 - 1). Store its "
+                "bytes as a NumPy array of a fixed length, which is saved: "
+                "`np.frombuffer(x.to_bytes(16, 'little', signed=True), np.uint8)` "
+                "(16 bytes hold 128 bits), and rebuild it after loading with "
+                "`int.from_bytes(a.tobytes(), 'little', signed=True)`."
             )
-        return x
+        return value
+    _refuse_other_data(x, caller, leaf)
     return None
 
 
-def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray]:
-    """The header entry and the host array of one leaf (`saved_value`'s rule)."""
+def _encode(name: str, leaf: Any) -> tuple[dict[str, Any], np.ndarray] | None:
+    """The header entry and the host array of one leaf, or None for a leaf that is
+    not saved (`saved_value`'s rule)."""
     entry: dict[str, Any] = {"kind": "jax", "ref": isinstance(leaf, jax.Ref)}
     leaf = saved_value(leaf, "es.save", f"leaf at {name}", f"ref-mode cell at {name}")
+    if leaf is None:
+        return None
     if _is_python_scalar(leaf):
         type_name = type(leaf).__name__
         dtype = _PYTHON_TYPES[type_name][1]
@@ -363,16 +473,19 @@ def _encode_tree(tree: Any) -> list[Any]:
     seen: set[str] = set()
     witnesses = _witness_paths(tree)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not _is_saved(leaf) or jax.tree_util.keystr(path) in witnesses:
-            continue
         name = jax.tree_util.keystr(path)
+        if name in witnesses:
+            continue
+        encoded = _encode(shown_path(name), leaf)  # every leaf meets the rule
+        if encoded is None:  # not state: a function, a string
+            continue
         if name in seen:
             raise CheckpointError(
                 f"Two leaves of the tree have the same path {name}; a checkpoint "
                 "names each leaf by its path. Give the pytree nodes distinct keys."
             )
         seen.add(name)
-        entry, arr = _encode(shown_path(name), leaf)
+        entry, arr = encoded
         entries.append(
             {"path": name, "dtype": arr.dtype.name, "shape": list(arr.shape), **entry}
         )
@@ -550,14 +663,17 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
     keys with their implementation; ref-mode cells by their current value), NumPy
     arrays and NumPy scalars (kept NumPy, 64-bit dtypes included), and Python `bool`,
     `int`, `float` and `complex` leaves (as Equinox does, so e.g. non-static flags
-    come back as saved). Other Python values (activation functions, strings, static
-    fields) are not saved: they come from `like` at load time.
+    come back as saved; a subclass such as an `enum.IntEnum` is saved as its value
+    and comes back as `like`'s type). Other Python values (activation functions,
+    strings, static fields) are not saved: they come from `like` at load time.
 
     `save` refuses, with a [`eqx_state.CheckpointError`][] naming the leaf, anything
     [`eqx_state.load`][] could not restore exactly: string, object or record arrays,
-    NumPy's extended-precision `longdouble`, tracers (a call inside `jit`), Python
-    ints beyond 64 bits (-2**63 to 2**64 - 1 are saved), arrays sharded over several processes (use Orbax for
-    those); and a ref-mode model that holds one ref at two places (it would load
+    NumPy's extended-precision `longdouble`, NumPy masked arrays, tracers (a call
+    inside `jit`), abstract arrays (`jax.ShapeDtypeStruct`), arrays of other
+    libraries (a `torch.Tensor`), numbers of other types (`Fraction`, `Decimal`),
+    Python ints beyond 64 bits (-2**63 to 2**64 - 1 are saved), arrays sharded over
+    several processes (use Orbax for those); and a ref-mode model that holds one ref at two places (it would load
     back as two states; declare sharing with `eqx.nn.Shared`). A model consumed by
     a donating step raises [`eqx_state.StaleModelError`][]. A target that is not a
     writable file (a missing folder, `None`, a file object opened for reading)
@@ -599,7 +715,14 @@ def save(path_or_file: str | os.PathLike[str] | io.IOBase, tree: Any) -> None:
 
 
 def _file_name(f: Any) -> str:
-    return repr(getattr(f, "name", "<file object>"))
+    """A file object's name for messages: its path, or what it is where it has
+    none (a file made by `os.fdopen` is named by its descriptor, an int)."""
+    name = getattr(f, "name", None)
+    if name is None:
+        name = "<file object>"
+    elif isinstance(name, int) and not isinstance(name, bool):
+        name = f"<file object on file descriptor {name}>"
+    return repr(name)
 
 
 def _not_a_target(caller: str, target: Any, mode: str) -> CheckpointError:
@@ -886,6 +1009,11 @@ def _validate_entry(i: int, raw: Any) -> str | None:
 def _parse(name: str, blob: bytes | bytearray) -> list[_Entry]:
     """Verify and parse a whole file. Any problem raises `CheckpointError`; nothing is
     allocated beyond the header's Python objects."""
+    if not blob:
+        raise CheckpointError(
+            f"{name} is not an eqx_state checkpoint: it holds no bytes (a file that "
+            "is empty, or a stream at its end: every checkpoint in it was read)."
+        )
     if len(blob) < _FIXED + _DIGEST or not blob.startswith(_MAGIC):
         raise CheckpointError(
             f"{name} is not an eqx_state checkpoint (bad magic bytes or too short): "
@@ -973,7 +1101,7 @@ def _like_kind(leaf: Any) -> str:
         return "numpy"
     if isinstance(leaf, np.generic):
         return "numpy_scalar"
-    if _is_python_scalar(leaf):
+    if _python_type(leaf) is not None:
         return "python"
     return "abstract"  # jax.ShapeDtypeStruct: any array kind
 
@@ -1006,7 +1134,7 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
             kind_message(where, f"the checkpoint {name}", entry.kind, kind, leaf)
         )
     if kind == "python":
-        if type(leaf) is not entry.pytype:
+        if _python_type(leaf) is not entry.pytype:
             raise CheckpointError(
                 f"At {where} the checkpoint {name} holds a Python "
                 f"{entry.pytype.__name__} but `like` holds a "  # type: ignore[union-attr]
@@ -1046,14 +1174,14 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
         )
     if (
         entry.kind == "jax"
-        and not same_dtype
-        and not jax.config.read("jax_enable_x64")
-        and entry.dtype.itemsize == 8 * (2 if entry.dtype.kind == "c" else 1)
-        and jax.dtypes.canonicalize_dtype(entry.dtype) == want_dtype
-    ):
+        and entry.shape == want_shape
+        and cut_by_x64(entry.dtype)
+        and jax.dtypes.canonicalize_dtype(entry.dtype)
+        == jax.dtypes.canonicalize_dtype(want_dtype)
+    ):  # `like` 32-bit (JAX's canonical dtype) or an abstract 64-bit leaf
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "
-            + saved_with_x64(want_dtype)
+            + saved_with_x64(jax.dtypes.canonicalize_dtype(entry.dtype))
         )
     if entry.shape != want_shape or not same_dtype:
         raise CheckpointError(
@@ -1063,13 +1191,23 @@ def _check_against(name: str, where: str, entry: _Entry, leaf: Any) -> None:
         )
 
 
+def cut_by_x64(dtype: Any) -> bool:
+    """Whether this JAX (64-bit types off) would hold a JAX array of `dtype` in 32
+    bits: the one check of `es.load` and `es.orbax_target` / `es.from_orbax`."""
+    return (
+        not jax.config.read("jax_enable_x64")
+        and jax.dtypes.canonicalize_dtype(dtype) != dtype
+    )
+
+
 def saved_with_x64(held: Any) -> str:
     """The one message for a 64-bit array loaded where JAX runs without 64-bit
     types (every persistence path refuses it: a count or a float64 would be cut to
-    32 bits silently)."""
+    32 bits silently), `held` being the dtype JAX would give it."""
     return (
-        f"saved with 64-bit types on; without them the model holds "
-        f"{np.dtype(held).name}. Turn them on before building the model and "
+        f"saved with 64-bit types on, which are off now: JAX would hold it as "
+        f"{np.dtype(held).name}, cutting the saved values (whatever dtype `like` "
+        "gives it). Turn them on before building the model and "
         "`like` (`jax.config.update('jax_enable_x64', True)`); cast the loaded "
         "tree afterwards if you want 32 bits."
     )
@@ -1094,15 +1232,14 @@ def _build(
     ).reshape(entry.shape)
     arr = arr.astype(entry.dtype, copy=False)  # native byte order (a copy if not)
     if entry.kind == "python":
-        return entry.pytype(arr.item())  # type: ignore[misc]
+        return _python_leaf(arr.item(), leaf, where, f"the checkpoint {name}")
     if entry.kind in ("numpy", "numpy_scalar"):
         return _numpy_leaf(arr.copy(), leaf)
     value = jax.device_put(arr, _placement(leaf), may_alias=False)
-    if value.dtype != entry.dtype:
+    if value.dtype != entry.dtype:  # (`_check_against` refuses it first)
         raise CheckpointError(
-            f"At {where} the checkpoint {name} holds a JAX {entry.dtype.name} array, "
-            f"which this JAX turns into {value.dtype} (64-bit types need "
-            "`jax.config.update('jax_enable_x64', True)`)."
+            f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "
+            + saved_with_x64(value.dtype)
         )
     if entry.key_impl is not None:
         value = jax.random.wrap_key_data(value, impl=entry.key_impl)

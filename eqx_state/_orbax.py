@@ -12,12 +12,15 @@ import numpy as np
 from ._checkpoint import (
     CheckpointError,
     _check_refs_unshared,
-    _is_python_scalar,
     _like_kind,
     _make_weak,
     _numpy_leaf,
+    _python_leaf,
+    _python_type,
+    cut_by_x64,
     kind_message,
     saved_value,
+    saved_with_x64,
     shown_path,
 )
 from ._compat import Tracer
@@ -57,8 +60,10 @@ def to_orbax(tree: Any) -> Any:
 
     Raises [`eqx_state.StaleModelError`][] if `tree` was consumed by a donating step
     (save the model the step returned), and [`eqx_state.CheckpointError`][] for a
-    tracer, an array that no checkpoint can restore (as [`eqx_state.save`][]
-    refuses it) or a ref-mode model that holds one ref at two places.
+    tracer, an abstract array (`jax.ShapeDtypeStruct`), a leaf that no checkpoint
+    can restore (as [`eqx_state.save`][] refuses it: string arrays, masked arrays,
+    another library's arrays, a `Fraction`) or a ref-mode model that holds one ref
+    at two places. An `enum.IntEnum` is written as its int.
 
     **Arguments:**
 
@@ -98,8 +103,9 @@ def _abstract(x: Any) -> Any:
         return x
     if isinstance(x, np.ndarray | np.generic):
         return np.asarray(x)  # restored as NumPy
-    if _is_python_scalar(x):
-        return np.asarray(x) if isinstance(x, complex) else x
+    base = _python_type(x)
+    if base is not None:  # restored as a plain number (an IntEnum as its int)
+        return np.asarray(x) if base is complex else base(x)
     return None
 
 
@@ -168,8 +174,9 @@ def _checked_target(path: Any, x: Any, saved: dict[str, Any]) -> Any:
         raise CheckpointError(
             kind_message(where, "the Orbax checkpoint", saved_kind, held_kind, x)
         )
-    if _is_python_scalar(x) and not isinstance(x, complex):
-        kinds = {bool: "b", int: "iu", float: "f"}[type(x)]
+    base = _python_type(x)
+    if base is not None and base is not complex:
+        kinds = {bool: "b", int: "iu", float: "f"}[base]
         if got_shape != () or got_dtype.kind not in kinds:
             raise CheckpointError(
                 f"At {where} the Orbax checkpoint holds {got_dtype.name}{got_shape} but "
@@ -190,6 +197,17 @@ def _checked_target(path: Any, x: Any, saved: dict[str, Any]) -> Any:
         # `eqx.filter_eval_shape` describes a NumPy int64 leaf as int32 (JAX without
         # x64): restore the NumPy leaf with its saved dtype instead of casting it.
         return np.zeros(got_shape, got_dtype)
+    if (
+        not from_numpy
+        and got_shape == want_shape
+        and cut_by_x64(got_dtype)
+        and jax.dtypes.canonicalize_dtype(got_dtype)
+        == jax.dtypes.canonicalize_dtype(want_dtype)
+    ):  # Orbax would restore it in 32 bits, whatever the target says: `es.load`'s rule
+        raise CheckpointError(
+            f"At {where} the Orbax checkpoint holds a JAX {got_dtype.name}{got_shape} "
+            "array, " + saved_with_x64(jax.dtypes.canonicalize_dtype(got_dtype))
+        )
     if got_shape != want_shape or got_dtype != want_dtype:
         raise CheckpointError(
             f"At {where} the Orbax checkpoint holds {got_dtype.name}{got_shape} but the "
@@ -250,11 +268,12 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
     if got is None or not (
         isinstance(like, jax.Array | jax.Ref | jax.ShapeDtypeStruct | np.ndarray)
         or isinstance(like, np.generic)
-        or _is_python_scalar(like)
+        or _python_type(like) is not None
     ):
         return like  # not saved: Python values come from `like`
-    if _is_python_scalar(like):
-        return type(like)(np.asarray(got).item())  # pyright: ignore[reportCallIssue]
+    if _python_type(like) is not None:
+        value = np.asarray(got).item()
+        return _python_leaf(value, like, _where(path), "the Orbax checkpoint")
     _check_restored(path, like, got)
     if isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
@@ -295,6 +314,17 @@ def _check_restored(path: Any, like: Any, got: Any) -> None:
             f"keys but `like` holds {want_dtype}{want_shape}. Build `like` with the "
             "same keys (typed `jax.random.key` vs raw `jax.random.PRNGKey`, same "
             "implementation)."
+        )
+    if (
+        got_shape == want_shape
+        and got_dtype is not None
+        and cut_by_x64(want_dtype)
+        and got_dtype == jax.dtypes.canonicalize_dtype(want_dtype)
+    ):  # restored without 64-bit types (`orbax_target` refuses it first)
+        raise CheckpointError(
+            f"At {_where(path)} Orbax restored {got_dtype}{got_shape} where `like` "
+            f"holds {want_dtype}{want_shape}: the array was "
+            + saved_with_x64(got_dtype)
         )
     raise CheckpointError(
         f"At {_where(path)} Orbax restored {got_dtype}{got_shape} "

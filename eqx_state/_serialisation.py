@@ -55,7 +55,7 @@ def _is_witness(f: Any, x: Any) -> bool:
 def _what(x: Any) -> str:
     """The leaf being written, for an error message. A filter spec does not see the
     leaf's path; Equinox's `TreePathError`, raised from the error, names it."""
-    if hasattr(x, "dtype") and hasattr(x, "shape"):
+    if isinstance(x, jax.Ref | jax.Array | np.ndarray | np.generic):
         kind = "a ref-mode cell" if isinstance(x, jax.Ref) else "an array"
         kind = f"{kind} of {x.dtype}{list(x.shape)}"
     else:
