@@ -212,8 +212,12 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
 
 def freeze(model: Any) -> Any:
     """Value mode: every state cell of `model` holds an immutable array with the
-    current value of its ref. Outside a trace this is a snapshot: the ref-mode model
-    stays usable and later writes to it do not change the returned model.
+    current value of its ref. Outside a trace this is a snapshot of the state: the
+    ref-mode model stays usable and later writes to it do not change the returned
+    model. Its parameters are the model's own arrays (not copied), which a donating
+    step consumes: to keep a snapshot across a step (a best-so-far model), copy
+    them, `jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else
+    x, es.freeze(model))`, or build the step with `donate=False`.
 
     **Arguments:**
 

@@ -87,6 +87,18 @@ class Counter(_LayerBase):
                 "counter counts whole steps (use a metric, e.g. `es.metrics.Sum`, to "
                 "accumulate fractional values)."
             )
+        elif jnp.dtype(src := getattr(by, "dtype", None)).itemsize > jnp.dtype(
+            dtype
+        ).itemsize and not getattr(by, "weak_type", False):
+            # a wider step would be cut to the counter's bits (40000 into int16:
+            # -25536, the count going down), where a Python int is checked
+            raise StateTypeError(
+                f"Counter.increment(by) got a step of dtype {jnp.dtype(src).name} for a "
+                f"{jnp.dtype(dtype).name} counter: the cast would cut it to "
+                f"{jnp.dtype(dtype).itemsize * 8} bits. Cast the step yourself if it "
+                f"fits (`by.astype(jnp.{jnp.dtype(dtype).name})`), or build the "
+                f"counter with a wider dtype (`Counter(dtype=jnp.{jnp.dtype(src).name})`)."
+            )
         step = jnp.asarray(by)
         if inference_flag(self):
             return self.count[...]

@@ -108,8 +108,8 @@ class KVCache(_LayerBase):
         (a `RuntimeError`) carrying the message below; under
         a plain `jax.jit` the error of the failed XLA callback, whose text contains
         the same message after Equinox's note that it does not see `filter_jit`:
-        on CPU a `ValueError` ("INTERNAL: CpuCallback error ..."), on other
-        backends a `jax.errors.JaxRuntimeError`. (The usual `EQX_ON_ERROR`
+        a `jax.errors.JaxRuntimeError` (a `RuntimeError`; older JAX raised a
+        `ValueError` on CPU). (The usual `EQX_ON_ERROR`
         environment variable applies: `nan` or `breakpoint` instead of raising.)
         A failing jitted call may already have consumed the cells it was given
         (donated buffers, or the buffers of ref-mode cells):

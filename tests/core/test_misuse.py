@@ -274,6 +274,19 @@ def test_counter_takes_whole_numbers_as_integer_arithmetic_does():
     assert int(c.value) == 2
 
 
+def test_a_counter_step_wider_than_the_counter_is_refused_not_cut():
+    """An int32 array step of 40000 into an int16 counter was cut to -25536 (the
+    count went down; a Python int 40000 is refused); a step of the counter's
+    width or narrower adds as NumPy's int16 arithmetic does."""
+    c = es.nn.Counter(dtype=jnp.int16)
+    with pytest.raises(TypeError, match=r"int32 for a int16 counter.*astype") as e:
+        es.apply(lambda c, by: c.increment(by), c, jnp.asarray(40000, jnp.int32))
+    assert isinstance(e.value, es.EqxStateError)
+    n, c = es.apply(lambda c, by: c.increment(by), c, jnp.asarray(300, jnp.int16))
+    n, c = es.apply(lambda c, by: c.increment(by), c, jnp.asarray(7, jnp.int8))
+    assert int(c.value) == int(np.int16(300) + np.int16(7))
+
+
 # Every whole-number option of the library goes through one check
 # (`_errors.check_int`). Reference: Python's own rule for an integer argument,
 # `operator.index` (what `range` and list indexing take: ints, NumPy integers and

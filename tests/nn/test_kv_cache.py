@@ -422,6 +422,17 @@ def test_overflow_under_the_library_s_runners_is_an_equinox_runtime_error(runner
         jax.block_until_ready(call(attn))
 
 
+def test_overflow_under_a_plain_jax_jit_is_a_runtime_error():
+    """As the `KVCache` docstring says (it said a `ValueError` on CPU, which JAX
+    0.10 no longer raises): the callback's `JaxRuntimeError`, with the message."""
+    attn = es.nn.CausalSelfAttention(D, H, key=jax.random.key(0))
+    m = es.to_refs(es.nn.with_kv_cache(attn, max_len=2))
+    f = jax.jit(lambda m, x: m(x))
+    f(m, jnp.ones((2, D)))
+    with pytest.raises(RuntimeError, match="KVCache overflow"):
+        jax.block_until_ready(f(m, jnp.ones((1, D))))
+
+
 def test_overflow_policy_nan():
     """`on_overflow="nan"`: the overflowing write poisons the cache with NaN (so all
     later outputs are NaN) instead of clamping silently."""
