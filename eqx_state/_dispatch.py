@@ -20,17 +20,17 @@ This layer changes no result; it only decides how the call reaches XLA:
 The cache is keyed by everything a trace depends on (tree structure, leaf types,
 static values, which positions alias); it holds no array and records nothing during
 tracing: what a trace learns about its outputs travels back through jit's outputs.
-Apart from it, `Compiled.call` remembers the carry it last returned, while the
-caller holds it, so that passing it back is not flattened again when its structure
-is immutable (tuples, named tuples, Equinox modules): the leaves are then exactly
-those it was built from (see `Compiled.call`).
+Apart from it, `Compiled.call` remembers the carry it last returned (while the
+caller holds it: its objects are referenced weakly), so that passing it back is not
+flattened again when its structure is immutable (tuples, named tuples, Equinox
+modules): the leaves are then exactly those it was built from (see
+`Compiled.call`).
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import operator
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -468,9 +468,9 @@ class Compiled:
         self._warned_numbers = False
         self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
-        # the carry the last call returned, for the next (see `call`): (a weak
-        # reference to its first element, the other elements, its leaves, its
-        # structure), or None; and which structures are immutable
+        # the carry the last call returned, for the next (see `call`): (its
+        # skeleton, its leaves, its structure, the weak references of the
+        # skeleton), or None; and which structures are immutable
         self._last: tuple | None = None
         self._frozen: dict[Any, bool] = {}
         self._forget = _forgetter(weakref.ref(self))
@@ -567,13 +567,8 @@ class Compiled:
         made in place between calls is read."""
         with GcPaused():
             last = self._last
-            if (
-                last is not None
-                and len(carry) == len(last[1]) + 1
-                and carry[0] is last[0]()
-                and all(map(operator.is_, carry[1:], last[1]))
-            ):
-                leaves, treedef = last[2], last[3]
+            if last is not None and _same(carry, last[0]):
+                leaves, treedef = last[1], last[2]
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
             new_leaves, result = self.call_flat(leaves, treedef, args, kwargs)
@@ -585,20 +580,17 @@ class Compiled:
         """Keep `new` (the carry a call returned) with its leaves for the next
         call (see `call`), when its structure is immutable and no outer
         transformation traced the call (its tracers must not outlive the trace).
-        The first element is held weakly: once the caller drops the model the
-        remembered arrays go with it."""
+        The carry's objects are held weakly (`_skeleton`) and the leaves only
+        while all of them live: once the caller drops the model or the optimizer
+        state (a module or an array of it), the remembered leaves are let go."""
+        self._last = None
         frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _frozen_structure(treedef)
-        if not frozen or under_trace():
-            self._last = None
-            return
-        try:
-            first = weakref.ref(new[0], self._forget)
-        except TypeError:  # not weakly referable (a bare tuple as the model)
-            self._last = None
-            return
-        self._last = (first, new[1:], tuple(leaves), treedef)
+        if frozen and not under_trace():
+            refs: list = []
+            skeleton = _skeleton(new, self._forget, refs)
+            self._last = (skeleton, tuple(leaves), treedef, refs)
 
     def call_flat(
         self,
@@ -768,17 +760,53 @@ class Compiled:
 _AMBIGUOUS = object()
 
 
+_STRONG, _TUPLE = object(), object()
+
+
 def _forgetter(owner: Any) -> Callable[[Any], None]:
     """The weakref callback that clears `owner()`'s remembered carry once the
-    caller drops its first element (`Compiled._remember`); it holds the owner
+    caller drops one of its objects (`Compiled._remember`); it holds the owner
     weakly, so the remembered carry does not keep the step alive."""
 
-    def forget(first: Any) -> None:
+    def forget(ref: Any) -> None:
         o = owner()
-        if o is not None and o._last is not None and o._last[0] is first:
+        if o is not None and o._last is not None and any(r is ref for r in o._last[3]):
             o._last = None
 
     return forget
+
+
+def _skeleton(x: Any, forget: Callable[[Any], None], refs: list) -> Any:
+    """How `_same` recognises `x` later without keeping it alive: a weak
+    reference to it (appended to `refs`, calling `forget` when it dies); for a
+    tuple (which cannot have one), its type and its items' skeletons; for an
+    object that cannot be weakly referenced (a Python scalar, `None`), the object
+    itself."""
+    try:
+        ref = weakref.ref(x, forget)
+    except TypeError:
+        pass
+    else:
+        refs.append(ref)
+        return ref
+    if isinstance(x, tuple):
+        items = tuple(_skeleton(item, forget, refs) for item in x)
+        return (_TUPLE, type(x), items)
+    return (_STRONG, x)
+
+
+def _same(x: Any, skeleton: Any) -> bool:
+    """Whether `x` is, object for object, what `skeleton` was made from."""
+    if type(skeleton) is weakref.ref:
+        return x is skeleton()
+    if skeleton[0] is _TUPLE:
+        items = skeleton[2]
+        return (
+            type(x) is skeleton[1]
+            and len(x) == len(items)
+            and all(map(_same, x, items))
+        )
+    return x is skeleton[1]
 
 
 def _frozen_structure(treedef: Any) -> bool:
@@ -793,8 +821,13 @@ def _frozen_structure(treedef: Any) -> bool:
     kind = data[0]
     if kind is tuple or kind is type(None):
         pass
-    elif issubclass(kind, tuple) and hasattr(kind, "_fields"):
-        pass  # a named tuple (its flatten is JAX's: the tuple's items)
+    elif (
+        issubclass(kind, tuple)
+        and hasattr(kind, "_fields")
+        and kind.__dictoffset__ == 0  # type: ignore[attr-defined]
+    ):
+        pass  # a named tuple without an instance `__dict__`: only its items,
+        # which cannot change, are there to flatten
     elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
         return False
     return all(map(_frozen_structure, treedef.children()))

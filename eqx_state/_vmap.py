@@ -19,7 +19,7 @@ from ._buffer import (
     is_state,
     unbatched_message,
 )
-from ._compat import is_batched, mapped_by_same_vmap
+from ._compat import is_batched, is_unmapped_ref_write, mapped_by_same_vmap
 from ._errors import StateError, StateValueError, StateWriteError, is_whole
 from ._modes import path_str
 
@@ -258,7 +258,7 @@ def vmap(
             # direct write is translated where it happens, `_buffer._write`): a
             # cell reached through a closure; the advice names `es.vmap` while
             # this map is still being traced
-            if type(e) is not Exception:
+            if not is_unmapped_ref_write(e):  # a user's own bare Exception
                 raise
             what = (
                 "state cell (JAX does not say which; in a loop or `jax.checkpoint` "

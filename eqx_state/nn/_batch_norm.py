@@ -71,8 +71,8 @@ class BatchNorm(_LayerBase):
     **Padding.** `bn(x, mask=m)` computes the batch statistics from the entries
     where `m` is `True` only (Flax's `mask`): padded examples contribute nothing,
     and the statistics equal those of the unpadded batch. Every entry of `x` is
-    normalised with them (a NaN or infinite padded entry as 0, so that its
-    gradients are zero, not NaN: padding may be left unset). A channel with no unmasked entry has no batch
+    normalised with them; no gradient flows to or through padded entries, so
+    padding may be left unset (NaN, inf). A channel with no unmasked entry has no batch
     statistics: its output is NaN, as Flax's (mask the loss with `jnp.where`, not
     by multiplying, so the NaN of padding stays out of it; gradients through the
     channel are zero, not NaN), and it keeps its running statistics
@@ -388,6 +388,8 @@ class BatchNorm(_LayerBase):
         cdtype = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
         xc = x.astype(cdtype)
         n = None
+        m: Array | None = None  # the mask, where batch statistics use it
+        padded = xc
         if self._uses_batch_stats():
             if self.eps <= 0:  # as PyTorch: a constant channel would give NaN
                 raise StateValueError(
@@ -398,13 +400,15 @@ class BatchNorm(_LayerBase):
                     "training too); eps=0 is fine in inference with running "
                     "statistics."
                 )
-            m = None if mask is None else self._mask(mask, x)
+            if mask is not None:
+                m = self._mask(mask, x)
             if m is not None:
-                # padding may hold NaN or inf (unset rows): as 0 it is finite, so
-                # the zero cotangents of masked entries never meet an infinite
-                # partial derivative (NaN gradients of weight, bias and the
-                # unmasked entries); finite padding is normalised as it was
-                xc = jnp.where(m | jnp.isfinite(xc), xc, jnp.zeros((), cdtype))
+                # padding may hold anything (NaN, inf, float32's max: unset rows);
+                # the statistics and gradients are computed with it as 0, so the
+                # zero cotangents of masked entries never meet an infinite partial
+                # derivative (NaN gradients of weight, bias and the unmasked
+                # entries); its output is put back below, without a gradient
+                xc = jnp.where(m, xc, jnp.zeros((), cdtype))
             mean, var, n = self._batch_stats(xc, red, shape, m)
             if isinstance(n, int) and n == 1:
                 raise StateValueError(self._one_value_message(x.shape))
@@ -412,17 +416,25 @@ class BatchNorm(_LayerBase):
                 self._update(mean, var, n)
         else:
             mean, var = self._running_stats(cdtype)
-        y = (xc - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.eps)
-        if self.weight is not None and self.bias is not None:
-            y = y * self.weight.astype(cdtype).reshape(shape) + self.bias.astype(
-                cdtype
-            ).reshape(shape)
+        y = self._normalise(xc, mean, var, shape, cdtype)
+        if m is not None:
+            # the padding's output, normalised as given: no gradient flows to it
+            # (it contributes nothing), so an infinite value there stays out of them
+            out = self._normalise(padded, mean, var, shape, cdtype)
+            y = jnp.where(m, y, jax.lax.stop_gradient(out))
         if n is not None and not isinstance(n, int):
             # A channel with no unmasked entry has no batch statistics (0 / 0): its
             # output is NaN, as Flax's. The NaN is a constant selected by `where`,
             # so gradients through the channel stay finite (zero).
             y = jnp.where(n.reshape(shape) > 0, y, jnp.asarray(jnp.nan, cdtype))
         return y.astype(x.dtype)
+
+    def _normalise(self, v: Array, mean: Array, var: Array, shape, cdtype) -> Array:
+        y = (v - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.eps)
+        if self.weight is not None and self.bias is not None:
+            w = self.weight.astype(cdtype).reshape(shape)
+            y = y * w + self.bias.astype(cdtype).reshape(shape)
+        return y
 
     def _one_value_message(self, shape: tuple[int, ...]) -> str:
         where = "" if self.axis_name is None else f" over axis {self.axis_name!r}"

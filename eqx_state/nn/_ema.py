@@ -321,7 +321,11 @@ class EMA(_LayerBase):
                 )
         if inference_flag(self):
             return
-        for cell, built in zip(self.hidden, self.accumulation):
+        # (an EMA pickled before `accumulation` existed: the default rule)
+        kept = getattr(self, "accumulation", None) or tuple(
+            _accumulation_dtype(dt, None) for dt in self.dtypes
+        )
+        for cell, built in zip(self.hidden, kept):
             # a cell cast narrower than the EMA keeps it (a model cast wholesale
             # to bfloat16): a decay of 0.999 rounds to 1 and the average stalls
             bits = jnp.finfo(built).bits

@@ -8,6 +8,7 @@ References are independent of the library's machinery: a plain `eqx.filter_jit`
 import copy
 import gc
 import weakref
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -691,6 +692,50 @@ def test_the_step_keeps_no_returned_carry_alive():
     gc.collect()
     assert all(r() is None for r in refs)
     assert step.trace_count == 1
+    # the optimizer state alone, the model kept (a fresh one after training)
+    model = TupleMLP(jax.random.key(0))
+    model, opt_state = step(model, step.init(model), xs[0], ys[0])
+    model, opt_state = step(model, opt_state, xs[1], ys[1])
+    moments = [weakref.ref(x) for x in jax.tree.leaves(opt_state)]
+    del opt_state
+    gc.collect()
+    assert all(r() is None for r in moments)
+
+
+class _Scale(NamedTuple):
+    value: Any
+
+
+@jax.tree_util.register_pytree_node_class
+class _DictScale(_Scale):
+    """A named tuple subclass with an instance `__dict__` that its own flatten
+    reads: not a JAX named tuple, and mutable."""
+
+    def tree_flatten(self):
+        return (self.__dict__.get("scale", self.value),), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_a_named_tuple_with_a_dict_of_its_own_is_read_on_every_call():
+    """(a review's finding) Changed through its `__dict__` between calls of an
+    apply: the next call reads it, as `jax.tree.leaves` does."""
+
+    class Net(eqx.Module):
+        p: Any
+
+        def __call__(self, x):
+            return x * self.p.value
+
+    run = es.make_apply(lambda m, x: m(x))
+    net = Net(_DictScale(jnp.ones(())))
+    _, net = run(net, jnp.ones(()))
+    net.p.__dict__["scale"] = jnp.full((), 5.0)
+    assert float(jax.tree.leaves(net)[0]) == 5.0
+    out, net = run(net, jnp.ones(()))
+    assert float(out) == 5.0
 
 
 # ------------------------------------------------ 7. a step that fails at run time

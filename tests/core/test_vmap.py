@@ -391,6 +391,14 @@ def test_a_closure_written_inside_es_vmap_gets_the_closure_advice(mode, wrap):
         assert int(bn.num_batches_tracked[...]) == 0
         np.testing.assert_array_equal(bn.running_mean[...], np.zeros(3))
 
+    # a bare Exception of the user's own is not relabelled
+    def fails(xi):
+        raise Exception("my own validation failed")  # noqa: TRY002
+
+    with pytest.raises(Exception, match="my own validation") as info:
+        es.vmap(fails)(x)
+    assert not isinstance(info.value, es.EqxStateError)
+
 
 @pytest.mark.xfail(
     strict=True,
