@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import operator
+import sys
+import types
+import typing
 from collections.abc import Hashable, Iterator
 from typing import Any, no_type_check
 
@@ -258,7 +262,7 @@ def describe(buf: Buffer) -> str:
 
 
 def check_cell_dtype(
-    owner: str, layer: Any, buf: Buffer, kind: type, min_bits: int = 0
+    owner: str, layer: Any, buf: Any, kind: type, min_bits: int = 0
 ) -> None:
     """Refuse a layer's cell whose dtype the layer cannot keep its state in: not of
     `kind` (`jnp.floating`, `jnp.integer`) or narrower than `min_bits`. A layer
@@ -266,6 +270,8 @@ def check_cell_dtype(
     dtype (`eqx.tree_at`, a hand-edited checkpoint) would silently truncate them (an
     int32 running mean stays 0, an int8 count wraps at 127). Decided from dtypes
     while tracing: nothing is staged."""
+    if not isinstance(buf, Buffer):  # not a cell at all: say which field
+        check_cell_fields(layer, root=owner)
     dtype = jnp.dtype(buf.dtype)
     info = jnp.finfo if kind is jnp.floating else jnp.iinfo
     if jnp.issubdtype(dtype, kind) and info(dtype).bits >= min_bits:
@@ -293,6 +299,106 @@ def check_cell_dtype(
         "x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model, "
         "is_leaf=es.is_state)`."
     )
+
+
+# -- a layer's cell fields hold cells ---------------------------------------------
+
+_CELL_FIELDS: dict[type, tuple[tuple[str, type], ...]] = {}
+
+
+def _cell_fields(cls: type) -> tuple[tuple[str, type], ...]:
+    """The fields of a library layer declared to hold a state cell or a library
+    layer (`running_mean: BatchStat | None`, `rng: Rng | None`), each with that
+    class; computed once per class from the annotations."""
+    got = _CELL_FIELDS.get(cls)
+    if got is not None:
+        return got
+    out = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("static", False):
+            continue
+        owner = next(
+            (c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})),
+            None,
+        )
+        hint: Any = f.type
+        if isinstance(hint, str) and owner is not None:
+            try:
+                hint = eval(hint, dict(vars(sys.modules[owner.__module__])))  # noqa: S307
+            except Exception:  # a name only a type checker sees: not checked
+                continue
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        options = typing.get_args(hint) if union else (hint,)
+        classes = [
+            c
+            for c in options
+            if isinstance(c, type) and issubclass(c, (Buffer, _LayerBase))
+        ]
+        if len(classes) == 1 and all(c is type(None) or c in classes for c in options):
+            out.append((f.name, classes[0]))
+    got = _CELL_FIELDS[cls] = tuple(out)
+    return got
+
+
+def _not_a_cell_message(where: str, kind: type, value: Any) -> str:
+    inner = where.partition(".")[2]
+    if not issubclass(kind, Buffer):
+        fix = f"Put back a `{kind.__name__}`."
+    else:
+        fix = (
+            "To set a cell's value, replace the value inside it, "
+            f"`eqx.tree_at(lambda m: m.{inner}.value, model, array)` (in ref mode, "
+            f"write it: `cell[...] = array`), or put back a cell, "
+            f"`es.{kind.__name__}(array)`."
+        )
+    what = "a state cell" if issubclass(kind, Buffer) else "a layer"
+    if isinstance(value, jax.Array | np.ndarray):
+        held = f"an array of shape {tuple(value.shape)}"
+    else:
+        held = f"a {type(value).__name__}"
+    return (
+        f"`{where}` holds {held}, but its layer keeps {what} there "
+        f"(a `{kind.__name__}`): it was replaced (`eqx.tree_at(lambda m: m.{inner}, "
+        "model, ...)`), and the layer could neither read nor write its state. " + fix
+    )
+
+
+# what a cell field holds when a cell was replaced by its value
+_PLAIN = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+
+def check_cell_fields(model: Any, root: str = "model") -> None:
+    """Refuse a library layer of `model` whose cell field (a field declared to
+    hold a state cell or a layer) holds a plain array or number instead: put there
+    with `eqx.tree_at` (as one sets a PyTorch buffer), it would fail in the layer
+    with an error of JAX's or Python's. Run once per structure (`_dispatch._Signature`): it costs
+    a call nothing."""
+
+    def visit(tree: Any, prefix: str) -> None:
+        for path, node in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, _LayerBase)
+        )[0]:
+            if not isinstance(node, _LayerBase):
+                continue
+            p = jax.tree_util.keystr(path, simple=True, separator=".")
+            where = f"{prefix}.{p}" if p else prefix
+            for name, kind in _cell_fields(type(node)):
+                value = node.__dict__.get(name)
+                if isinstance(value, _PLAIN):  # (a wrapper, e.g. `eqx.nn.Shared`'s
+                    # node, or a cell of another kind, is the layer's business)
+                    raise StateTypeError(
+                        _not_a_cell_message(f"{where}.{name}", kind, value)
+                    )
+            for name, value in node.__dict__.items():
+                if not isinstance(value, Buffer) and any(
+                    isinstance(x, _LayerBase)
+                    for x in jax.tree_util.tree_leaves(
+                        value, is_leaf=lambda x: isinstance(x, _LayerBase)
+                    )
+                ):
+                    visit(value, f"{where}.{name}")
+
+    visit(model, root)
 
 
 def layer_path(layer: Any) -> str:

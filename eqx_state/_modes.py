@@ -15,7 +15,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._buffer import REF_KIND, Buffer, _is_ref, check_live, describe, is_state
+from ._buffer import (
+    REF_KIND,
+    Buffer,
+    _is_ref,
+    check_cell_fields,
+    check_live,
+    describe,
+    is_state,
+)
 from ._compat import Tracer
 from ._errors import StateError
 
@@ -250,6 +258,7 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     array (and its witness) go in, the new array comes out and is put back into the
     same ref (`_dispatch`); such a cell comes here with an array and a witness, and
     leaves with the new array and the same witness, so its structure is kept."""
+    check_cell_fields(model)
     check_no_shared_refs(model)
     record: list[Buffer | Made] = []
     paths: dict[int, str] = {}

@@ -12,8 +12,10 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Inexact
 
 from .._buffer import (
     BatchStat,
+    Buffer,
     _LayerBase,
     check_cell_dtype,
+    check_cell_fields,
     check_live,
     layer_path,
 )
@@ -292,6 +294,8 @@ class BatchNorm(_LayerBase):
             )
         for name in ("weight", "bias", "running_mean", "running_var"):
             held = getattr(self, name)
+            if name.startswith("running") and not isinstance(held, Buffer | jax.Array):
+                check_cell_fields(self, root="BatchNorm")  # not a cell: say so
             if held is not None and tuple(held.shape) != (self.num_features,):
                 raise StateValueError(
                     f"BatchNorm({self.num_features}){layer_path(self)}: its `{name}` "

@@ -635,6 +635,56 @@ def test_a_model_an_owned_loop_took_over_names_release(runner):
     first_call(runner, step, model, opt_state, xs, ys)  # what it gives back runs
 
 
+@pytest.mark.parametrize("replacement", ["array", "float"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "runner", [*RUNNERS, "apply", "make_apply", "make_apply.scan", "eager"]
+)
+def test_a_cell_replaced_by_a_plain_value_is_named_alike_by_every_runner(
+    runner, mode, replacement
+):
+    """`eqx.tree_at(lambda m: m.bn.running_mean, model, array)` (a PyTorch habit:
+    setting the buffer itself) left BatchNorm an array or a float where it keeps a
+    cell: JAX's "arrays are immutable" or Python's "not subscriptable" came out of
+    the layer. Every runner names the field, the cause and how to set a cell's
+    value, and writes nothing; the fix it names works."""
+    if runner == "eager" and mode == "value":
+        pytest.skip("an eager value-mode call writes nothing by design")
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    new = jnp.full(8, 0.5) if replacement == "array" else 0.5
+    bad = eqx.tree_at(lambda m: m.bn.running_mean, model, new)
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    xs, ys = data()
+    apply = es.make_apply(forward)
+    calls = {
+        "apply": lambda: es.apply(forward, bad, xs[0]),
+        "make_apply": lambda: apply(bad, xs[0]),
+        "make_apply.scan": lambda: apply.scan(bad, xs),
+        "eager": lambda: forward(bad, xs[0]),
+    }
+    kind = r"an array of shape \(8,\)" if replacement == "array" else "a float"
+    match = (
+        rf"`model\.bn\.running_mean` holds {kind}, but its layer keeps a state "
+        r"cell there \(a `BatchStat`\).*m\.bn\.running_mean\.value"
+    )
+    if runner == "eager":
+        match = match.replace("model", "BatchNorm", 1).replace(r"bn\.", "", 2)
+    with pytest.raises(TypeError, match=match) as caught:
+        if runner in calls:
+            calls[runner]()
+        else:
+            first_call(runner, step, bad, opt_state, xs, ys)
+    assert isinstance(caught.value, es.EqxStateError)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+    if mode == "value":  # the fix the message names
+        fixed = eqx.tree_at(lambda m: m.bn.running_mean.value, model, jnp.full(8, 0.5))
+        out, fixed = es.apply(forward, fixed, xs[0])
+        mean = 0.9 * 0.5 + 0.1 * jnp.mean(fixed.lin1(xs[0]), axis=0)
+        np.testing.assert_allclose(fixed.bn.running_mean[...], mean, rtol=1e-6)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", ["apply", "make_apply", "make_apply.scan"])
 def test_a_stale_model_is_refused_by_every_forward_runner_before_it_writes(
