@@ -9,6 +9,8 @@ training step.
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -227,6 +229,42 @@ def equinox_runtime_error(e: BaseException) -> BaseException | None:
         return None
     msg, _ = info
     return cls(msg)
+
+
+# JAX logs an exception raised by a `jax.pure_callback` (an `eqx.error_if` that
+# fired raises one) on this logger, with this message, from the thread that runs the
+# program: on the CPU, the caller's (`jax/_src/callback.py`, `pure_callback_impl`).
+CALLBACK_LOGGER = "jax._src.callback"
+CALLBACK_FAILED = "jax.pure_callback failed"
+
+
+class _QuietEquinoxCallback(logging.Filter):
+    """Drop JAX's log of an `eqx.error_if` that fired inside one of our calls: the
+    call raises Equinox's own error for it (`equinox_runtime_error`), and the log
+    would print, first, Equinox's banner telling the user to wrap the program in
+    `eqx.filter_jit` (it cannot tell our `jax.jit` from a bare one). Anything else,
+    and everything outside our calls, is logged as before."""
+
+    def __init__(self, inside: Callable[[], bool]):
+        super().__init__()
+        self._inside = inside
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != CALLBACK_LOGGER or record.getMessage() != CALLBACK_FAILED:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if type(exc).__name__ != "_EquinoxRuntimeError":
+            return True
+        return not self._inside()
+
+
+def quiet_equinox_callback_log(inside: Callable[[], bool]) -> None:
+    """Install `_QuietEquinoxCallback` (once per process), with `inside()` saying
+    whether the log comes from one of our calls; it runs only when a callback
+    failed, so the calls themselves pay nothing."""
+    logger = logging.getLogger(CALLBACK_LOGGER)
+    if not any(isinstance(f, _QuietEquinoxCallback) for f in logger.filters):
+        logger.addFilter(_QuietEquinoxCallback(inside))
 
 
 # -- Equinox's filtered transformations --------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,7 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import _is_ref, is_consumed, is_state, leaked_message, unbatched_message
+from ._buffer import (
+    _is_ref,
+    is_consumed,
+    is_state,
+    leaked_message,
+    unbatched_message,
+)
 from ._checkpoint import _is_python_scalar
 from ._compat import (
     Tracer,
@@ -53,6 +60,7 @@ from ._compat import (
     is_deleted_array_error,
     is_incompatible_devices_error,
     only_vmapped,
+    quiet_equinox_callback_log,
     ref_buffer,
     set_ref_buffer,
     under_trace,
@@ -488,14 +496,28 @@ class Compiled:
         if before is None or before == types or self._warned:
             return
         self._warned = True
-        changed = [f"{a} -> {b}" for a, b in zip(before, types) if a != b]
+        pairs = [(a, b) for a, b in zip(before, types) if a != b]
+        changed = [f"{a} -> {b}" for a, b in pairs]
+        advice = []
+        if any(a[1] != b[1] for a, b in pairs):  # a dtype
+            advice.append(
+                "a new dtype compiles it again: pass each argument in one dtype, "
+                "e.g. `jnp.asarray(x, jnp.float32)`"
+            )
+        if any(len(a[0]) != len(b[0]) for a, b in pairs):  # a rank
+            advice.append(
+                "a new number of axes compiles it again: give each argument one shape"
+            )
+        elif any(a[0] != b[0] for a, b in pairs):  # the same rank, other lengths
+            advice.append(
+                "each new shape compiles it again; a short last batch is the usual "
+                "cause: drop it (`drop_last`), or pad it to the batch size and mask "
+                "the padding out of the loss and metrics (BatchNorm takes `mask=`)"
+            )
         warnings.warn(
             f"`{self.name}` is compiled again because its array arguments changed "
-            f"({', '.join(changed)}). Each new shape compiles the step again; a short "
-            "last batch is the usual cause: drop it (`drop_last`), or pad it to the "
-            "batch size and mask the padding out of the loss and metrics (BatchNorm "
-            "takes `mask=`). This warning is shown once per step "
-            "(`eqx_state.RecompileWarning`).",
+            f"({', '.join(changed)}): {'; '.join(advice)}. This warning is shown once "
+            "per step (`eqx_state.RecompileWarning`).",
             RecompileWarning,
             stacklevel=user_stacklevel(),
         )
@@ -848,6 +870,24 @@ def _reads_dict_as_stored(cls: type) -> bool:
     return all(
         c.__dict__.get("__getattribute__", known[0]) in known for c in cls.__mro__
     )
+
+
+def _inside_a_call() -> bool:
+    """Whether this thread is running a compiled call of ours (`Compiled.call_flat`
+    is on its stack): asked only when a callback failed (see below)."""
+    code = Compiled.call_flat.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# An `eqx.error_if` that fires inside a step: the step raises Equinox's error for it
+# (`_reraise`), without JAX's log of the failed callback before it (Equinox's banner
+# telling the user to use `eqx.filter_jit`, as `eqx.filter_jit` itself hides it).
+quiet_equinox_callback_log(_inside_a_call)
 
 
 class GcPaused:

@@ -210,6 +210,54 @@ def test_equinox_runtime_error_is_recognised():
     assert _compat.equinox_runtime_error(ValueError("unrelated")) is None
 
 
+_CALLBACK_SCRIPT = """
+import equinox as eqx, jax, jax.numpy as jnp, optax, sys
+import eqx_state as es
+
+try:  # a bare jax.jit: JAX logs the failed callback (with Equinox's banner)
+    jax.block_until_ready(jax.jit(lambda x: eqx.error_if(x, x > 0, "positive!"))(
+        jnp.ones(2)))
+except Exception:
+    pass
+sys.stderr.write("-- step --\\n")
+sys.stderr.flush()
+model = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+step = es.make_step(
+    lambda m, x: jnp.sum(m(eqx.error_if(x, x > 0, "positive!")) ** 2), optax.sgd(0.1)
+)
+try:
+    step(model, step.init(model), jnp.ones(2))
+except eqx.EquinoxRuntimeError as e:
+    print("raised:", str(e).strip())
+"""
+
+
+def test_a_fired_error_if_is_logged_on_jaxs_callback_logger_outside_our_calls_only(
+    tmp_path,
+):
+    """JAX logs a failed `pure_callback` (a fired `eqx.error_if`) on
+    `_compat.CALLBACK_LOGGER` with `CALLBACK_FAILED`, from the calling thread: under
+    a bare `jax.jit` it is still logged (Equinox's banner, meant for that case),
+    while a step, which raises Equinox's error itself, logs nothing (the banner
+    told the user to wrap the step in `eqx.filter_jit`). A fresh process: a program
+    loaded from the tests' compilation cache runs its callback without that log."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "callback.py"
+    script.write_text(_CALLBACK_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "raised: positive!", out.stdout
+    bare, _, in_step = out.stderr.partition("-- step --")
+    assert _compat.CALLBACK_FAILED in bare, "JAX's log moved: update _compat.py"
+    assert "equinox.filter_jit" in bare  # Equinox's banner, under a bare jax.jit
+    assert _compat.CALLBACK_FAILED not in in_step, in_step[-2000:]
+    assert "equinox.filter_jit" not in in_step
+
+
 def test_ref_buffer_is_the_array_jax_passes_and_replaces():
     r = jax.new_ref(jnp.zeros(3))
     assert _compat.is_concrete_ref(r)
