@@ -237,6 +237,33 @@ def test_a_ragged_last_batch_warns_once():
     assert step.trace_count == 3
 
 
+def test_a_new_argument_dtype_warns_with_dtype_advice_not_batch_advice():
+    """A scalar argument passed as float32, then as int32 (a step count, a
+    temperature): the warning names the dtype change and how to keep one dtype;
+    the short-batch advice (`drop_last`) is only for a change of lengths."""
+    step = es.make_step(
+        lambda m, x, t: jnp.mean(m(x) ** 2) * t, optax.sgd(0.1), donate=False
+    )
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    state = step.init(model)
+    x = jnp.ones(2)
+    step(model, state, x, jnp.asarray(1.0, jnp.float32))
+    with pytest.warns(es.RecompileWarning) as caught:
+        step(model, state, x, jnp.asarray(2, jnp.int32))
+    (message,) = [str(w.message) for w in caught]
+    assert "((), 'float32') -> ((), 'int32')" in message
+    assert "jnp.asarray(x, jnp.float32)" in message
+    assert "drop_last" not in message
+    # a change of rank is not a short batch either
+    step2 = es.make_step(
+        lambda m, x: jnp.mean(m(jnp.ravel(x)[:2]) ** 2), optax.sgd(0.1), donate=False
+    )
+    step2(model, step2.init(model), jnp.ones(2))
+    with pytest.warns(es.RecompileWarning, match="number of axes") as caught:
+        step2(model, step2.init(model), jnp.ones((3, 2)))
+    assert "drop_last" not in str(caught[0].message)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_state_errors_name_the_cell_path_and_mode(mode):
     class Outer(eqx.Module):
