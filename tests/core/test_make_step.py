@@ -1,6 +1,8 @@
 """make_step against a hand-threaded pure-JAX loop, in both storage modes, and under
 transforms (remat, vmap over an ensemble, grad through a step)."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -230,6 +232,42 @@ def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(ens.steps.count[...], [n_steps + 1] * n)
+
+
+def test_a_ref_mode_ensemble_steps_under_jit_of_vmap_like_a_hand_threaded_loop():
+    """docs/equinox.md's recipe: under `jax.jit` (which cannot return a ref) the
+    mapped step returns the arrays only, and the refs passed in, updated in place,
+    are put back with `eqx.combine` (reference: `vmap` of the hand-threaded step)."""
+    n, n_steps = 3, 3
+    keys = jax.random.split(jax.random.key(6), n)
+    xs, ys = data(n_steps)
+    opt = optax.adam(1e-2)
+    step = es.make_step(loss_fn, opt)
+    ens = es.to_refs(eqx.filter_vmap(Net)(keys))
+    p = jax.tree.map(jnp.copy, pure_params(eqx.filter_vmap(Net)(keys)))
+    stats = (jnp.zeros((n, W)), jnp.ones((n, W)), jnp.zeros(n, int), jnp.zeros(n, int))
+    popt = jax.vmap(opt.init)(p)
+    ref_step = jax.vmap(pure_step(opt), in_axes=(0, 0, 0, None, None))
+    dyn, static = eqx.partition(ens, es.is_array_or_ref)
+    refs = eqx.filter(dyn, lambda v: isinstance(v, jax.Ref))
+    ens_opt = jax.vmap(lambda d: step.init(eqx.combine(d, static)))(dyn)
+
+    @jax.jit
+    @functools.partial(jax.vmap, in_axes=(0, 0, None, None))
+    def members(d, o, x, y):
+        m, o = step(eqx.combine(d, static), o, x, y)
+        return eqx.filter(m, eqx.is_array), o
+
+    for i in range(n_steps):
+        arrays, ens_opt = members(dyn, ens_opt, xs[i], ys[i])
+        dyn = eqx.combine(arrays, refs)
+        p, stats, popt = ref_step(p, stats, popt, xs[i], ys[i])
+    ens = eqx.combine(dyn, static)
+    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ens.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * n)
 
 
 @pytest.mark.parametrize("mode", MODES)
