@@ -294,7 +294,9 @@ class BatchNorm(_LayerBase):
             )
         for name in ("weight", "bias", "running_mean", "running_var"):
             held = getattr(self, name)
-            if name.startswith("running") and not isinstance(held, Buffer | jax.Array):
+            if name.startswith("running") and not isinstance(
+                held, Buffer | jax.Array | None
+            ):
                 check_cell_fields(self, root="BatchNorm")  # not a cell: say so
             if held is not None and tuple(held.shape) != (self.num_features,):
                 raise StateValueError(

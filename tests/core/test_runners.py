@@ -667,10 +667,14 @@ def test_a_cell_replaced_by_a_plain_value_is_named_alike_by_every_runner(
     kind = r"an array of shape \(8,\)" if replacement == "array" else "a float"
     match = (
         rf"`model\.bn\.running_mean` holds {kind}, but its layer keeps a state "
-        r"cell there \(a `BatchStat`\).*m\.bn\.running_mean\.value"
+        r"cell there \(a `BatchStat`\).*"
+        r"`eqx\.tree_at\(lambda model: model\.bn\.running_mean\.value, model, array\)`"
     )
-    if runner == "eager":
-        match = match.replace("model", "BatchNorm", 1).replace(r"bn\.", "", 2)
+    if runner == "eager":  # the layer, named as the layer
+        match = (
+            rf"`BatchNorm\.running_mean` holds {kind}.*"
+            r"`eqx\.tree_at\(lambda layer: layer\.running_mean\.value, layer, array\)`"
+        )
     with pytest.raises(TypeError, match=match) as caught:
         if runner in calls:
             calls[runner]()
@@ -683,6 +687,58 @@ def test_a_cell_replaced_by_a_plain_value_is_named_alike_by_every_runner(
         out, fixed = es.apply(forward, fixed, xs[0])
         mean = 0.9 * 0.5 + 0.1 * jnp.mean(fixed.lin1(xs[0]), axis=0)
         np.testing.assert_allclose(fixed.bn.running_mean[...], mean, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replaced_cell_is_named_by_a_path_python_can_follow(mode):
+    """Inside lists and dicts (the fix's lambda is Python: `m.seq.layers[1]`,
+    `m.d['head 1']`), and inside a tuple of cells (`EMA.hidden`); the named fix
+    works."""
+
+    class M(eqx.Module):
+        seq: eqx.nn.Sequential
+        d: dict
+
+        def __call__(self, x):
+            x = self.seq(x)
+            self.d["acc"].update(jnp.mean(x))
+            return self.d["head 1"](x)
+
+    def build():
+        m = M(
+            eqx.nn.Sequential([eqx.nn.Lambda(jnp.tanh), es.nn.BatchNorm(3)]),
+            {"head 1": es.nn.BatchNorm(3), "acc": es.metrics.Mean()},
+        )
+        return es.to_refs(m) if mode == "ref" else m
+
+    x = jnp.arange(12.0).reshape(4, 3)
+    cases = {
+        r"model\.seq\.layers\[1\]\.running_mean": lambda m: (
+            m.seq.layers[1].running_mean
+        ),
+        r"model\.d\['head 1'\]\.running_var": lambda m: m.d["head 1"].running_var,
+        r"model\.d\['acc'\]\.total": lambda m: m.d["acc"].total,
+    }
+    for access, where in cases.items():
+        bad = eqx.tree_at(where, build(), jnp.zeros(3))
+        with pytest.raises(TypeError, match=rf"lambda model: {access}\.value, model"):
+            es.apply(lambda m, x: m(x), bad, x)
+    model = build()
+    fixed = eqx.tree_at(
+        lambda m: m.seq.layers[1].running_mean.value, model, jnp.ones(3)
+    )
+    _, fixed = es.apply(lambda m, x: m(x), fixed, x)
+    batch_mean = jnp.mean(jnp.tanh(x), axis=0)
+    np.testing.assert_allclose(
+        fixed.seq.layers[1].running_mean[...], 0.9 + 0.1 * batch_mean, rtol=1e-6
+    )
+
+    lin = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+    ema = es.nn.EMA(lin, decay=0.5)
+    ema = es.to_refs(ema) if mode == "ref" else ema
+    bad = eqx.tree_at(lambda e: e.hidden[0], ema, jnp.zeros((2, 2)))
+    with pytest.raises(TypeError, match=r"`model\.hidden\.0` holds an array"):
+        es.apply(lambda e, m: e.update(m), bad, lin)
 
 
 @pytest.mark.parametrize("mode", MODES)
