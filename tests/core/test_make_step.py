@@ -182,15 +182,10 @@ def test_vmap_ensemble_equals_solo_runs():
         assert int(ens.steps.count[...][j]) == 3
 
 
-def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
-    """A ref-mode ensemble trains under `jax.vmap` over `eqx.partition(model,
-    es.is_array_or_ref)`, which returns the refs themselves (reference: `vmap` of
-    the hand-threaded step). `eqx.filter_vmap` of the step cannot return refs
-    (Equinox's filters treat them as static): reading the model it returns raised
-    JAX's bare UnexpectedTracerError; it names what happened and the fix."""
-    n, n_steps = 3, 3
-    keys = jax.random.split(jax.random.key(5), n)
-    xs, ys = data(n_steps)
+def _ref_ensemble(n, seed):
+    """A ref-mode ensemble of `n` Nets and its step, with the hand-threaded
+    reference: its state `(params, stats, opt_state)` and its vmapped step."""
+    keys = jax.random.split(jax.random.key(seed), n)
     opt = optax.adam(1e-2)
     step = es.make_step(loss_fn, opt)
     ens = es.to_refs(eqx.filter_vmap(Net)(keys))
@@ -198,6 +193,27 @@ def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
     stats = (jnp.zeros((n, W)), jnp.ones((n, W)), jnp.zeros(n, int), jnp.zeros(n, int))
     popt = jax.vmap(opt.init)(p)
     ref_step = jax.vmap(pure_step(opt), in_axes=(0, 0, 0, None, None))
+    return step, ens, (p, stats, popt), ref_step
+
+
+def _assert_ensemble_equals(ens, p, stats, n_steps):
+    """The ensemble's parameters, statistics and step counts equal the reference's."""
+    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ens.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * len(stats[2]))
+
+
+def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
+    """A ref-mode ensemble trains under `jax.vmap` over `eqx.partition(model,
+    es.is_array_or_ref)`, which returns the refs themselves (reference: `vmap` of
+    the hand-threaded step). `eqx.filter_vmap` of the step cannot return refs
+    (Equinox's filters treat them as static): reading the model it returns raised
+    JAX's bare UnexpectedTracerError; it names what happened and the fix."""
+    n, n_steps = 3, 3
+    step, ens, (p, stats, popt), ref_step = _ref_ensemble(n, 5)
+    xs, ys = data(n_steps)
     dyn, static = eqx.partition(ens, es.is_array_or_ref)
     ens_opt = jax.vmap(lambda d: step.init(eqx.combine(d, static)))(dyn)
 
@@ -211,11 +227,7 @@ def test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop():
         )
         p, stats, popt = ref_step(p, stats, popt, xs[i], ys[i])
     ens = eqx.combine(dyn, static)
-    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ens.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * n)
+    _assert_ensemble_equals(ens, p, stats, n_steps)
 
     in_axes = (lambda x: 0 if es.is_array_or_ref(x) else None, 0, None, None)
     x, y = xs[0], ys[0]
@@ -239,15 +251,8 @@ def test_a_ref_mode_ensemble_steps_under_jit_of_vmap_like_a_hand_threaded_loop()
     mapped step returns the arrays only, and the refs passed in, updated in place,
     are put back with `eqx.combine` (reference: `vmap` of the hand-threaded step)."""
     n, n_steps = 3, 3
-    keys = jax.random.split(jax.random.key(6), n)
+    step, ens, (p, stats, popt), ref_step = _ref_ensemble(n, 6)
     xs, ys = data(n_steps)
-    opt = optax.adam(1e-2)
-    step = es.make_step(loss_fn, opt)
-    ens = es.to_refs(eqx.filter_vmap(Net)(keys))
-    p = jax.tree.map(jnp.copy, pure_params(eqx.filter_vmap(Net)(keys)))
-    stats = (jnp.zeros((n, W)), jnp.ones((n, W)), jnp.zeros(n, int), jnp.zeros(n, int))
-    popt = jax.vmap(opt.init)(p)
-    ref_step = jax.vmap(pure_step(opt), in_axes=(0, 0, 0, None, None))
     dyn, static = eqx.partition(ens, es.is_array_or_ref)
     refs = eqx.filter(dyn, lambda v: isinstance(v, jax.Ref))
     ens_opt = jax.vmap(lambda d: step.init(eqx.combine(d, static)))(dyn)
@@ -263,11 +268,7 @@ def test_a_ref_mode_ensemble_steps_under_jit_of_vmap_like_a_hand_threaded_loop()
         dyn = eqx.combine(arrays, refs)
         p, stats, popt = ref_step(p, stats, popt, xs[i], ys[i])
     ens = eqx.combine(dyn, static)
-    for a, b in zip(jax.tree.leaves(pure_params(ens)), jax.tree.leaves(p)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ens.bn.running_mean[...], stats[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ens.bn.running_var[...], stats[1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(ens.steps.count[...], [n_steps] * n)
+    _assert_ensemble_equals(ens, p, stats, n_steps)
 
 
 @pytest.mark.parametrize("mode", MODES)
