@@ -10,22 +10,26 @@ creates that, and the entry points refuse a model that has it (`check_no_shared_
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
+import typing
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._buffer import (
     REF_KIND,
     Buffer,
     _is_ref,
-    check_cell_fields,
+    _LayerBase,
     check_live,
     describe,
     is_state,
 )
 from ._compat import Tracer
-from ._errors import StateError
+from ._errors import StateError, StateTypeError
 
 
 def key_name(k: Any) -> str:
@@ -44,6 +48,144 @@ def path_str(path: tuple) -> str:
     one path formatter; `_torch_names.torch_path_name` adds PyTorch's names for
     converted layers on top of it)."""
     return ".".join(map(key_name, path))
+
+
+# -- a layer's cell fields hold cells ---------------------------------------------
+
+_CELL_FIELDS: dict[type, tuple[tuple[str, type, bool], ...]] = {}
+
+
+def _cell_class(hint: Any) -> type | None:
+    """The cell or library-layer class a field's annotation declares
+    (`BatchStat`, `BatchStat | None`, `Rng | None`), or None."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = typing.get_args(hint) if union else (hint,)
+    classes = [
+        c
+        for c in options
+        if isinstance(c, type) and issubclass(c, (Buffer, _LayerBase))
+    ]
+    if len(classes) == 1 and all(c is type(None) or c in classes for c in options):
+        return classes[0]
+    return None
+
+
+def _cell_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """The fields of a library layer declared to hold a state cell or a library
+    layer (`running_mean: BatchStat | None`, `rng: Rng | None`), or a tuple of
+    them (`hidden: tuple[AverageState, ...]`): `(name, class, is a tuple)`,
+    computed once per class from the annotations."""
+    got = _CELL_FIELDS.get(cls)
+    if got is not None:
+        return got
+    out = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("static", False):
+            continue
+        owner = next(
+            (c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {})),
+            None,
+        )
+        hint: Any = f.type
+        if isinstance(hint, str) and owner is not None:
+            try:
+                hint = eval(hint, dict(vars(sys.modules[owner.__module__])))  # noqa: S307
+            except Exception:  # a name only a type checker sees: not checked
+                continue
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+            kind, items = _cell_class(args[0]), True
+        else:
+            kind, items = _cell_class(hint), False
+        if kind is not None:
+            out.append((f.name, kind, items))
+    got = _CELL_FIELDS[cls] = tuple(out)
+    return got
+
+
+def _not_a_cell_message(
+    where: str, access: str, var: str, kind: type, value: Any
+) -> str:
+    """`where`: the field's dotted name; `access`: how Python reaches it from
+    `var` (`.seq.layers[1].running_mean`)."""
+    if issubclass(kind, Buffer):
+        what = "a state cell"
+        fix = (
+            " To set a cell's value, replace the value inside the cell, "
+            f"`eqx.tree_at(lambda {var}: {var}{access}.value, {var}, array)` (same "
+            "shape and dtype), or in ref mode write it, "
+            f"`{var}{access}[...] = array`."
+        )
+    else:
+        what, fix = "a layer", f" Put back a `{kind.__name__}`."
+    if isinstance(value, jax.Array | np.ndarray):
+        held = f"an array of shape {tuple(value.shape)}"
+    else:
+        held = f"a {type(value).__name__}"
+    return (
+        f"`{where}` holds {held}, but its layer keeps {what} there (a "
+        f"`{kind.__name__}`): the cell itself was replaced (`eqx.tree_at(lambda "
+        f"{var}: {var}{access}, {var}, ...)`), and the layer could neither read nor "
+        "write its state." + fix
+    )
+
+
+# what a cell field holds when a cell was replaced by its value
+_PLAIN = (jax.Array, np.ndarray, np.generic, int, float, complex)
+_CHECKED: set[Any] = set()  # the structures found fine (see `check_cell_fields`)
+
+
+def check_cell_fields(model: Any, root: str = "model") -> None:
+    """Refuse a library layer of `model` whose cell field (a field declared to
+    hold a state cell or a layer, or a tuple of them) holds a plain array or
+    number instead: put there with `eqx.tree_at` (as one sets a PyTorch buffer),
+    it would fail in the layer with an error of JAX's or Python's. Whether a field
+    holds a cell or a leaf is part of the model's structure, so a structure found
+    fine is not walked again (an eager `es.apply` reads only its structure)."""
+    treedef = jax.tree_util.tree_structure(model)
+    try:
+        if treedef in _CHECKED:
+            return
+    except TypeError:  # a static field that is not hashable: walk each time
+        treedef = None
+    var = "model" if root == "model" else "layer"
+
+    def check(where: str, access: str, kind: type, value: Any) -> None:
+        if isinstance(value, _PLAIN):  # (a wrapper, e.g. `eqx.nn.Shared`'s node,
+            # or a cell of another kind, is the layer's business)
+            raise StateTypeError(_not_a_cell_message(where, access, var, kind, value))
+
+    def visit(tree: Any, where0: str, access0: str) -> None:
+        for path, node in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, _LayerBase)
+        )[0]:
+            if not isinstance(node, _LayerBase):
+                continue
+            where = f"{where0}.{path_str(path)}" if path else where0
+            access = access0 + jax.tree_util.keystr(path)
+            for name, kind, items in _cell_fields(type(node)):
+                value = node.__dict__.get(name)
+                if not items:
+                    check(f"{where}.{name}", f"{access}.{name}", kind, value)
+                elif isinstance(value, tuple):
+                    for k, item in enumerate(value):
+                        check(
+                            f"{where}.{name}.{k}", f"{access}.{name}[{k}]", kind, item
+                        )
+            for name, value in node.__dict__.items():
+                if not isinstance(value, Buffer) and any(
+                    isinstance(x, _LayerBase)
+                    for x in jax.tree_util.tree_leaves(
+                        value, is_leaf=lambda x: isinstance(x, _LayerBase)
+                    )
+                ):
+                    visit(value, f"{where}.{name}", f"{access}.{name}")
+
+    visit(model, root, "")
+    if len(_CHECKED) > 1000:  # a bound (structures are small, but a process may
+        _CHECKED.clear()  # build many models)
+    if treedef is not None:
+        _CHECKED.add(treedef)
 
 
 def check_tree_live(tree: Any) -> None:

@@ -15,7 +15,6 @@ from .._buffer import (
     Buffer,
     _LayerBase,
     check_cell_dtype,
-    check_cell_fields,
     check_live,
     layer_path,
 )
@@ -27,6 +26,7 @@ from .._errors import (
     check_int,
     check_real,
 )
+from .._modes import check_cell_fields
 from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._counter import saturating_add
