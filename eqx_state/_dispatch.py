@@ -476,6 +476,7 @@ class Compiled:
         self._warned_numbers = False
         self.scanned = scanned
         self._signatures: dict[Any, Any] = {}
+        self._last_signature: tuple | None = None  # (key, signature) of the last call
         # the carry the last call returned, for the next (see `call`): (its
         # skeleton, its leaves, its structure, the weak references of the
         # skeleton), or None; and which structures are immutable
@@ -527,18 +528,25 @@ class Compiled:
     ):
         types = tuple(map(type, leaves))
         key = (carry_td, arg_td, types)
-        sig: Any = self._signatures.get(key)
-        if sig is None:
-            if any(issubclass(t, Tracer) for t in types):
-                sig = self._signatures[key] = _AMBIGUOUS
-            else:
-                sig = self._signatures[key] = _Signature(
-                    carry_td,
-                    arg_td,
-                    list(map(_kind, leaves)),
-                    carry_leaves,
-                    self.donate_policy,
-                )
+        last = self._last_signature
+        if last is not None and last[0] == key:
+            # the previous call's key again (a loop): its signature, without
+            # hashing the key (which walks every node of the carry's structure)
+            sig: Any = last[1]
+        else:
+            sig = self._signatures.get(key)
+            if sig is None:
+                if any(issubclass(t, Tracer) for t in types):
+                    sig = self._signatures[key] = _AMBIGUOUS
+                else:
+                    sig = self._signatures[key] = _Signature(
+                        carry_td,
+                        arg_td,
+                        list(map(_kind, leaves)),
+                        carry_leaves,
+                        self.donate_policy,
+                    )
+            self._last_signature = (key, sig)
         if sig is _AMBIGUOUS or ((sig.refbuf_idx or sig.donates) and under_trace()):
             if sig is _AMBIGUOUS and not under_trace():
                 _refuse_escaped(carry_leaves, carry_td, leaves, arg_td)
@@ -590,23 +598,29 @@ class Compiled:
         with GcPaused():
             last = self._last
             if last is not None and _same(carry, last[0]):
-                leaves, treedef = last[1], last[2]
+                leaves, treedef, frozen = last[1], last[2], True
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
+                frozen = None
             new_leaves, result = self.call_flat(leaves, treedef, args, kwargs)
             new = treedef.unflatten(new_leaves)
-            self._remember(new, new_leaves, treedef)
+            self._remember(new, new_leaves, treedef, frozen)
             return new, result
 
-    def _remember(self, new: tuple, leaves: list, treedef: Any) -> None:
+    def _remember(
+        self, new: tuple, leaves: list, treedef: Any, frozen: bool | None = None
+    ) -> None:
         """Keep `new` (the carry a call returned) with its leaves for the next
         call (see `call`), when its structure is immutable and no outer
         transformation traced the call (its tracers must not outlive the trace).
         The carry's objects are held weakly (`_skeleton`) and the leaves only
         while all of them live: once the caller drops the model or the optimizer
-        state (a module or an array of it), the remembered leaves are let go."""
+        state (a module or an array of it), the remembered leaves are let go.
+        `frozen`: already known for `treedef` (the remembered one: it was frozen),
+        or `None` (looked up here; hashing a structure walks all its nodes)."""
         self._last = None
-        frozen = self._frozen.get(treedef)
+        if frozen is None:
+            frozen = self._frozen.get(treedef)
         if frozen is None:
             frozen = self._frozen[treedef] = _frozen_structure(treedef)
         if frozen and not under_trace():
@@ -804,13 +818,16 @@ def _skeleton(x: Any, forget: Callable[[Any], None], refs: list) -> Any:
     tuple (which cannot have one), its type and its items' skeletons; for an
     object that cannot be weakly referenced (a Python scalar, `None`), the object
     itself."""
-    try:
-        ref = weakref.ref(x, forget)
-    except TypeError:
-        pass
-    else:
-        refs.append(ref)
-        return ref
+    # Only a weakly referenceable type is asked (tuples, named tuples, None and
+    # numbers are not: asking them raises, ~1 us each)
+    if getattr(type(x), "__weakrefoffset__", 1):
+        try:
+            ref = weakref.ref(x, forget)
+        except TypeError:  # pragma: no cover - a type that refuses anyway
+            pass
+        else:
+            refs.append(ref)
+            return ref
     if isinstance(x, tuple):
         items = tuple(_skeleton(item, forget, refs) for item in x)
         return (_TUPLE, type(x), items)
