@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -31,6 +31,18 @@ from ._axis import axis_size
 from ._complex import refuse_complex, refuse_non_array
 from ._counter import saturating_add
 from ._flag import inference_flag
+
+
+class _Options(NamedTuple):
+    """A BatchNorm's static options (one static field: see `BatchNorm._options`)."""
+
+    num_features: int
+    eps: float
+    momentum: float | None
+    channel_axis: int
+    axis_name: Hashable | None
+    zero_debias: bool
+    unbiased_running_var: bool
 
 
 class BatchNorm(_LayerBase):
@@ -132,14 +144,11 @@ class BatchNorm(_LayerBase):
     running_mean: BatchStat | None
     running_var: BatchStat | None
     num_batches_tracked: BatchStat | None
-    num_features: int = eqx.field(static=True)
-    eps: float = eqx.field(static=True)
-    momentum: float | None = eqx.field(static=True)
-    channel_axis: int = eqx.field(static=True)
-    axis_name: Hashable | None = eqx.field(static=True)
-    zero_debias: bool = eqx.field(static=True)
-    unbiased_running_var: bool = eqx.field(static=True)
     inference: bool
+    # The static options, in one field: every call rebuilds the model (and the
+    # optimizer state's copies of its structure) node by node, and Equinox sets
+    # each field of a node one at a time. Read them as `bn.eps`, ... (below).
+    _options: _Options = eqx.field(static=True)
 
     def __init__(
         self,
@@ -204,13 +213,15 @@ class BatchNorm(_LayerBase):
             raise StateValueError(
                 f"BatchNorm: dtype must be a real floating dtype, got {dtype}."
             )
-        self.num_features = num_features
-        self.eps = float(eps)
-        self.momentum = None if momentum is None else float(momentum)
-        self.channel_axis = int(channel_axis)
-        self.axis_name = axis_name
-        self.zero_debias = zero_debias
-        self.unbiased_running_var = unbiased_running_var
+        self._options = _Options(
+            num_features=num_features,
+            eps=float(eps),
+            momentum=None if momentum is None else float(momentum),
+            channel_axis=int(channel_axis),
+            axis_name=axis_name,
+            zero_debias=zero_debias,
+            unbiased_running_var=unbiased_running_var,
+        )
         self.inference = inference
         if affine:
             self.weight = jnp.ones(num_features, dtype)
@@ -227,6 +238,34 @@ class BatchNorm(_LayerBase):
             self.num_batches_tracked = BatchStat(jnp.zeros((), jnp.int32), init=0)
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    @property
+    def num_features(self) -> int:
+        return self._options.num_features
+
+    @property
+    def eps(self) -> float:
+        return self._options.eps
+
+    @property
+    def momentum(self) -> float | None:
+        return self._options.momentum
+
+    @property
+    def channel_axis(self) -> int:
+        return self._options.channel_axis
+
+    @property
+    def axis_name(self) -> Hashable | None:
+        return self._options.axis_name
+
+    @property
+    def zero_debias(self) -> bool:
+        return self._options.zero_debias
+
+    @property
+    def unbiased_running_var(self) -> bool:
+        return self._options.unbiased_running_var
 
     @property
     def affine(self) -> bool:

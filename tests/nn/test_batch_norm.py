@@ -976,3 +976,26 @@ def test_an_evaluation_copy_kept_across_a_step_is_stale_with_the_fix():
     with pytest.raises(es.StaleModelError, match="BatchNorm `weight`.*consumed"):
         evaluation(x)
     assert eqx.nn.inference_mode(model)(x).shape == (4, 3)  # the fix
+
+
+def test_options_read_as_attributes_and_stay_static_like_torchs():
+    """The options are held in one static field (cheaper to rebuild every step)
+    and read as attributes, as on `torch.nn.BatchNorm1d`; they stay part of the
+    structure: a different option is a different compiled program, never a leaf
+    that a step would trace or an optimizer would see."""
+    kw = dict(eps=1e-3, momentum=None, channel_axis=-1, axis_name="b")
+    bn = es.nn.BatchNorm(4, zero_debias=False, unbiased_running_var=False, **kw)
+    tbn = torch.nn.BatchNorm1d(4, eps=1e-3, momentum=None)
+    for name in ("num_features", "eps", "momentum"):
+        assert getattr(bn, name) == getattr(tbn, name), name
+    assert (bn.channel_axis, bn.axis_name) == (-1, "b")
+    assert (bn.zero_debias, bn.unbiased_running_var) == (False, False)
+    assert (bn.affine, bn.track_running_stats) == (tbn.affine, True)
+    other = es.nn.BatchNorm(4, unbiased_running_var=False, **{**kw, "eps": 1e-4})
+    same = es.nn.BatchNorm(4, unbiased_running_var=False, **kw)
+    td = jax.tree_util.tree_structure
+    assert td(bn) != td(other) and td(bn) == td(same)
+    n_leaves = len(jax.tree_util.tree_leaves(bn))
+    assert n_leaves == 6  # weight, bias, 3 statistics, the inference flag
+    with pytest.raises(AttributeError):
+        bn.eps = 0.1  # type: ignore[misc]
