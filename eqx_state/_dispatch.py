@@ -492,7 +492,14 @@ class Compiled:
         """At trace time: warn once when a plan is traced again because its array
         arguments changed shape or dtype (a ragged last batch, typically)."""
         lead = 1 if self.scanned else 0  # a scan's length K: not a ragged batch
-        types = tuple((tuple(x.shape[lead:]), str(x.dtype)) for x in argdyn)
+        types = tuple(
+            (
+                tuple(x.shape[lead:]),
+                # JAX keys its programs on weak typing too (a Python number's)
+                f"{x.dtype} (weak)" if getattr(x, "weak_type", False) else str(x.dtype),
+            )
+            for x in argdyn
+        )
         before, plan.arg_types = plan.arg_types, types
         if before is None or before == types or self._warned:
             return
@@ -500,7 +507,17 @@ class Compiled:
         pairs = [(a, b) for a, b in zip(before, types) if a != b]
         changed = [f"{a} -> {b}" for a, b in pairs]
         advice = []
-        if any(a[1] != b[1] for a, b in pairs):  # a dtype
+        weak = [
+            a[1].removesuffix(" (weak)") == b[1].removesuffix(" (weak)")
+            for a, b in pairs
+        ]
+        if any(a[1] != b[1] and w for (a, b), w in zip(pairs, weak)):  # weak typing
+            advice.append(
+                "a weakly typed value (a Python number, or `jnp.asarray` of one) and "
+                "an array of a set dtype compile separately: pass one kind every "
+                "time, e.g. `jnp.asarray(x, jnp.float32)`"
+            )
+        if any(a[1] != b[1] and not w for (a, b), w in zip(pairs, weak)):  # a dtype
             advice.append(
                 "a new dtype compiles it again: pass each argument in one dtype, "
                 "e.g. `jnp.asarray(x, jnp.float32)`"

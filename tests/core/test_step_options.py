@@ -264,6 +264,31 @@ def test_a_new_argument_dtype_warns_with_dtype_advice_not_batch_advice():
     assert "drop_last" not in str(caught[0].message)
 
 
+def test_a_weak_type_change_warns_with_its_own_advice():
+    """`jnp.asarray(0.5)` (weakly typed, as a Python number) then
+    `jnp.float32(0.5)`: JAX compiles again (it keys programs on weak typing, which
+    `jax.jit`'s own cache shows), so the warning says so instead of being silent."""
+    step = es.make_step(
+        lambda m, x, t: jnp.mean(m(x) ** 2) * t, optax.sgd(0.1), donate=False
+    )
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    state = step.init(model)
+    x = jnp.ones(2)
+    step(model, state, x, jnp.asarray(0.5))
+    with pytest.warns(es.RecompileWarning) as caught:
+        step(model, state, x, jnp.float32(0.5))
+    (message,) = [str(w.message) for w in caught]
+    assert "((), 'float32 (weak)') -> ((), 'float32')" in message
+    assert "weakly typed" in message and "jnp.asarray(x, jnp.float32)" in message
+    assert "new dtype" not in message and "drop_last" not in message
+    assert step.trace_count == 2
+    # the reference: jax.jit itself compiles twice for the two kinds
+    traces = []
+    f = jax.jit(lambda t: traces.append(t) or t)
+    f(jnp.asarray(0.5)), f(jnp.float32(0.5))
+    assert len(traces) == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_state_errors_name_the_cell_path_and_mode(mode):
     class Outer(eqx.Module):
