@@ -26,6 +26,8 @@ from ._checkpoint import (
     _is_key_dtype,
     _key_impl_of_dtype,
     _make_weak,
+    _python_leaf,
+    _python_type,
     saved_value,
 )
 from ._modes import _WITNESS_DTYPE
@@ -216,6 +218,9 @@ def _read_leaf(f: Any, x: Any) -> Any:
                 f"{key.shape}: the file was saved from a different model."
             )
         return key
+    if _python_type(x) is not None:  # a Python number, by the one rule of every
+        # load path (an `enum.IntEnum` member it lacks is a `CheckpointError`)
+        return _python_leaf(np.load(f).item(), x, "a leaf", "the file")
     out = eqx.default_deserialise_filter_spec(f, x)
     if getattr(x, "weak_type", False) and isinstance(out, jax.Array):
         out = _make_weak(out)

@@ -179,6 +179,35 @@ def test_an_int_enum_round_trips_through_the_filter_specs(tmp_path):
     assert got is Color.BLUE
 
 
+def test_an_int_enum_value_the_like_enum_lacks_is_refused_by_the_filter_specs_too(
+    tmp_path,
+):
+    """The same rule as `es.load`'s (one home: `_python_leaf`): a `CheckpointError`
+    naming the enum, under Equinox's error that names the leaf's path; the plain
+    numbers still load as Equinox loads them."""
+    path = tmp_path / "e.eqx"
+    saved = {"x": 7, "f": 0.5, "b": True, "i": 2**40}
+    eqx.tree_serialise_leaves(path, saved, filter_spec=es.serialise_filter_spec)
+    like = {"x": Color.RED, "f": 0.0, "b": False, "i": 0}
+    with pytest.raises(Exception, match="'x'") as caught:
+        eqx.tree_deserialise_leaves(path, like, filter_spec=es.deserialise_filter_spec)
+    causes, e = [], caught.value
+    while e is not None:
+        causes.append(e)
+        e = e.__cause__
+    (ours,) = [c for c in causes if isinstance(c, es.CheckpointError)]
+    assert "Color" in str(ours)
+    like["x"] = 0
+    got = eqx.tree_deserialise_leaves(
+        path, like, filter_spec=es.deserialise_filter_spec
+    )
+    reference = eqx.tree_deserialise_leaves(path, like)  # Equinox's own reader
+    assert got == reference == saved
+    assert {k: type(v) for k, v in got.items()} == {
+        k: type(v) for k, v in saved.items()
+    }
+
+
 def test_an_int_enum_round_trips_through_orbax(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tree = {"x": Color.BLUE, "w": jnp.arange(3.0)}
