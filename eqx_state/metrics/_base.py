@@ -270,41 +270,40 @@ _DTYPE_KINDS = {
 
 def _check_dtype(metric: str, dtype: Any, kind: str) -> Any:
     """`dtype` if a metric of this `kind` (a key of `_DTYPE_KINDS`) may keep its
-    statistics in it, else a ValueError that says which dtypes are accepted.
+    statistics in it, else a ValueError that says which dtypes are accepted (a
+    TypeError, from `check_dtype`, for what is no dtype at all).
     `None` is the default, float32 (as JAX reads `dtype=None`; it made integer
     statistics from the statistics' integer fill)."""
     if dtype is None:
         return jnp.dtype(jnp.float32)
-    try:
-        d = jnp.dtype(dtype)
-    except TypeError:
-        d = None
-    if d is not None:
-        if jnp.issubdtype(d, jnp.floating) and kind != "values" and d.itemsize < 4:
-            raise StateValueError(
-                f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. Its "
-                "statistics accumulate over a whole run, and a "
-                f"{d.name} sum stops growing without a word once it is large "
-                f"(adding 1 changes nothing past {2 ** (jnp.finfo(d).nmant + 1)}: "
-                "a count of 300 would stay there). Keep the "
-                "statistics in jnp.float32 (the default); the inputs may be "
-                f"{d.name}."
-            )
-        if jnp.issubdtype(d, jnp.integer) and d.itemsize < 4 and kind != "values":
-            raise StateValueError(
-                f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. "
-                f"An {d.name} statistic would wrap around silently (a count of "
-                f"{jnp.iinfo(d).max + 1} reads {jnp.iinfo(d).min}) or hold less "
-                "than a reduction of its inputs gives (JAX sums narrow integers "
-                "in 32 bits). Keep integer statistics in jnp.int32 (jnp.int64 with "
-                f"x64); the inputs may be {d.name}."
-            )
-        if jnp.issubdtype(d, jnp.floating):
-            return dtype
-        if kind == "counts" and jnp.issubdtype(d, jnp.signedinteger):
-            return dtype
-        if kind == "values" and jnp.issubdtype(d, jnp.integer):
-            return dtype
+    # not a dtype at all: the one check of every `dtype=` argument (a TypeError
+    # naming the argument, as the layers' `dtype=` say it)
+    d = check_dtype(metric, "dtype", dtype)
+    if jnp.issubdtype(d, jnp.floating) and kind != "values" and d.itemsize < 4:
+        raise StateValueError(
+            f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. Its "
+            "statistics accumulate over a whole run, and a "
+            f"{d.name} sum stops growing without a word once it is large "
+            f"(adding 1 changes nothing past {2 ** (jnp.finfo(d).nmant + 1)}: "
+            "a count of 300 would stay there). Keep the "
+            "statistics in jnp.float32 (the default); the inputs may be "
+            f"{d.name}."
+        )
+    if jnp.issubdtype(d, jnp.integer) and d.itemsize < 4 and kind != "values":
+        raise StateValueError(
+            f"{metric}: dtype must be {_DTYPE_KINDS[kind]}; got {d.name}. "
+            f"An {d.name} statistic would wrap around silently (a count of "
+            f"{jnp.iinfo(d).max + 1} reads {jnp.iinfo(d).min}) or hold less "
+            "than a reduction of its inputs gives (JAX sums narrow integers "
+            "in 32 bits). Keep integer statistics in jnp.int32 (jnp.int64 with "
+            f"x64); the inputs may be {d.name}."
+        )
+    if jnp.issubdtype(d, jnp.floating):
+        return dtype
+    if kind == "counts" and jnp.issubdtype(d, jnp.signedinteger):
+        return dtype
+    if kind == "values" and jnp.issubdtype(d, jnp.integer):
+        return dtype
     why = {
         "floating": " Its statistics are fractional whatever the data (an integer "
         "dtype would truncate them).",

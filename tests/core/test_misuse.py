@@ -1296,6 +1296,10 @@ def no_type_checker():
         ),
         (lambda: es.metrics.statistic(shape=(-1,)), ValueError, "non-negative"),
         (lambda: es.metrics.statistic(dtype="nope"), TypeError, "dtype must be a"),
+        # a metric's `dtype=` said ValueError for what is no dtype (the layers' and
+        # `statistic`'s say TypeError): one check now
+        (lambda: es.metrics.Mean(dtype="nope"), TypeError, "Mean: dtype must be a"),
+        (lambda: es.metrics.Sum(dtype=5), TypeError, "Sum: dtype must be a"),
         # keys, names and counts
         (
             lambda: es.nn.SpectralNorm(_LINEAR, weight_name=3, key=jax.random.key(1)),
