@@ -29,6 +29,7 @@ modules): the leaves are then exactly those it was built from (see
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import sys
@@ -546,13 +547,35 @@ class Compiled:
         types = tuple(map(type, leaves))
         key = (carry_td, arg_td, types)
         last = self._last_signature
-        if last is not None and last[0] == key:
+
+        def unhashable_static() -> str | None:  # the fields, named
+            tree = (
+                carry_td.unflatten(carry_leaves),
+                *arg_td.unflatten(leaves[len(carry_leaves) :]),
+            )
+            return _static_fields_message(tree)
+
+        try:
+            again = last is not None and last[0] == key
+            found = None if again else self._signatures.get(key)
+        except (TypeError, ValueError) as e:  # JAX compares static fields with ==
+            message = unhashable_static()
+            if message is None:
+                raise
+            raise StepError(message) from e
+        if again:
             # the previous call's key again (a loop): its signature, without
             # hashing the key (which walks every node of the carry's structure)
-            sig: Any = last[1]
+            sig: Any = last[1]  # type: ignore[index]
         else:
-            sig = self._signatures.get(key)
+            sig = found
             if sig is None:
+                # A new structure: refuse a static field that JAX cannot compare
+                # (a NumPy array) now, not at some later call or in one of JAX's
+                # caches (each compares structures with `==`)
+                message = unhashable_static()
+                if message is not None:
+                    raise StepError(message)
                 if any(issubclass(t, Tracer) for t in types):
                     sig = self._signatures[key] = _AMBIGUOUS
                 else:
@@ -1195,17 +1218,53 @@ def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
     """Readable names of some leaves of `(carry, args, kwargs)`: `opt_state...`,
     `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    carry = tree[0]
-    roots = ["model", "opt_state"] if len(carry) == 2 else ["model"]
-    names = []
-    for j in positions:
-        path = flat[j][0]
-        if path[0].idx == 0:  # type: ignore[attr-defined]
-            head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"  # type: ignore[attr-defined]
-            names.append(f"`{head}{jax.tree_util.keystr(path[2:])}`")
-        else:  # the arguments: `(args, kwargs)` is the rest of the tree
-            names.append(f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`")  # type: ignore[attr-defined]
-    return names
+    return [_call_path_name(tree, flat[j][0]) for j in positions]
+
+
+def _call_path_name(tree: tuple, path: tuple) -> str:
+    """A key path into `(carry, args, kwargs)`, named as the user wrote it."""
+    roots = ["model", "opt_state"] if len(tree[0]) == 2 else ["model"]
+    if path[0].idx == 0:  # the carry
+        head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"
+        return f"`{head}{jax.tree_util.keystr(tuple(path[2:]))}`"
+    # the arguments: `(args, kwargs)` is the rest of the tree
+    return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
+
+
+def _static_fields_message(tree: tuple) -> str | None:
+    """The static fields of the modules in `(carry, args, kwargs)` whose values
+    JAX cannot compare (a NumPy array: JAX compares a structure with the ones it
+    has seen, and `==` of two arrays is no True/False), named by path; None when
+    there is none. What JAX takes (a list, a tuple, a function) passes."""
+    bad: list[str] = []
+    todo: list[tuple[tuple, Any]] = [((), tree)]
+    while todo and len(bad) < 5:
+        path, x = todo.pop()
+        if isinstance(x, eqx.Module):
+            for f in dataclasses.fields(x):
+                if not f.metadata.get("static", False):
+                    continue
+                value = x.__dict__.get(f.name)
+                try:
+                    bool(value == value)  # as JAX compares structures
+                except Exception:
+                    where = (*path, jax.tree_util.GetAttrKey(f.name))
+                    bad.append(
+                        f"{_call_path_name(tree, where)} ({type(value).__name__})"
+                    )
+        inner = jax.tree_util.tree_flatten_with_path(
+            x, is_leaf=lambda y, x=x: y is not x and isinstance(y, eqx.Module)
+        )[0]
+        todo.extend((path + p, y) for p, y in reversed(inner) if y is not x)
+    if not bad:
+        return None
+    return (
+        "A static field (`eqx.field(static=True)`) is part of the compiled "
+        "program's structure (as in `eqx.filter_jit`), which JAX compares with `==`; "
+        f"these hold values whose `==` is no True/False: {', '.join(bad)}. Hold an "
+        "array in a normal field (a leaf; a state cell, `es.Buffer(...)`, if the "
+        "optimizer must not train it), or a tuple of numbers in the static field."
+    )
 
 
 def _named(sig: _Signature, leaves: list, positions: list[int], shown: int = 3) -> str:

@@ -146,7 +146,9 @@ def check_cell_fields(model: Any, root: str = "model") -> None:
     try:
         if treedef in _CHECKED:
             return
-    except TypeError:  # a static field that is not hashable: walk each time
+    except (TypeError, ValueError):  # a static field that is not hashable, or
+        # whose `==` is no bool (a NumPy array): walk each time (the call names
+        # the field: `_dispatch._static_fields_message`)
         treedef = None
     var = "model" if root == "model" else "layer"
 

@@ -222,6 +222,52 @@ def test_an_unhashable_static_leaf_is_named_by_its_path():
             call()
 
 
+class _StaticTable(eqx.Module):
+    linear: eqx.nn.Linear
+    table: object = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("runner", ["step", "scan", "own", "apply"])
+def test_a_static_field_holding_an_array_is_named_by_its_path(runner):
+    """A NumPy array in a static field (Equinox warns when one is set): a call on a
+    rebuilt model compared it with an earlier structure with `==` (a call's or one
+    of JAX's caches) and gave JAX's bare "metadata fields" ValueError, or not,
+    depending on what ran before. Every runner now refuses it at its first call,
+    naming the field (one check, in the shared signature lookup)."""
+    import warnings as w
+
+    def make():
+        with w.catch_warnings():
+            w.simplefilter("ignore")  # Equinox's own warning about such a field
+            return _StaticTable(
+                eqx.nn.Linear(2, 1, key=jax.random.key(0)), np.arange(3.0)
+            )
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    step = es.make_step(loss, optax.sgd(0.1), donate=False)
+    apply = es.make_apply(lambda m, x: jax.vmap(m)(x), donate=False)
+    x = jnp.ones((4, 2))
+    calls = {
+        "step": lambda m: step(m, step.init(m), x),
+        "scan": lambda m: step.scan(m, step.init(m), x[None]),
+        "own": lambda m: step.own(m, step.init(m))(x),
+        "apply": lambda m: apply(m, x),
+    }
+    for _ in range(2):  # refused at once, not at a later call or in JAX's caches
+        with pytest.raises(es.StepError, match=r"`model\.table` \(ndarray\)") as info:
+            calls[runner](make())
+        assert "eqx.field(static=True)" in str(info.value)
+    linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    calls[runner](_StaticTable(linear, (0.0, 1.0, 2.0)))  # a tuple runs
+    calls[runner](_StaticTable(linear, [0.0, 1.0]))  # a list too (JAX compares it)
+    calls[runner](_StaticTable(linear, [0.0, 1.0]))
+
+
 def test_a_runtime_error_of_the_first_step_is_reported_as_itself():
     """Item 11: a callback that raises inside the first step of a fresh model is
     the error reported (not "consumed by an earlier call"), with a note that the
