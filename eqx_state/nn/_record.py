@@ -28,7 +28,7 @@ from ..metrics._base import Metric, Statistic, _fit, _gather, _truthy
 from ..metrics._extrema import Max, Min
 from ..metrics._mean import Mean
 from ..metrics._mean_std import MeanStd
-from ._complex import refuse_complex
+from ._complex import refuse_complex, refuse_non_array
 from ._counter import saturating_add
 from ._flag import inference_flag
 
@@ -407,6 +407,7 @@ class Record(Recorder):
         del key
         if inference_flag(self):
             return x
+        refuse_non_array(f"Record({', '.join(map(repr, self.names))})", x)
         cells = _cells(self.metrics)
         if not all(_is_ref(c.value) for c in cells):
             raise _not_writable(f"Record{self.names}")
@@ -660,6 +661,7 @@ class Capture(Recorder):
         del key
         if inference_flag(self):
             return x
+        refuse_non_array(f"Capture(shape={self.shape})", x)
         if not (_is_ref(self.value.value) and _is_ref(self.count.value)):
             raise _not_writable(f"Capture{self.shape}")
         v = jax.lax.stop_gradient(jnp.asarray(x))

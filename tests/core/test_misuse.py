@@ -1333,6 +1333,18 @@ def no_type_checker():
             TypeError,
             r"SpectralNorm\(Linear\) expects",
         ),
+        # the recorders recorded a list and returned it unchanged (a list, where
+        # every other layer refuses one)
+        (
+            lambda: es.to_refs(es.nn.Record("mean"))([1.0, 2.0]),
+            TypeError,
+            r"Record\('mean'\) expects a JAX or NumPy array",
+        ),
+        (
+            lambda: es.to_refs(es.nn.Capture((2,)))([1.0, 2.0]),
+            TypeError,
+            r"Capture\(shape=\(2,\)\) expects a JAX or NumPy array",
+        ),
         (
             lambda: es.to_refs(es.nn.KVCache(4, 1, 2)).append(
                 [[[1.0, 2.0]]], jnp.ones((1, 1, 2))
