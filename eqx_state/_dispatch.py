@@ -547,19 +547,11 @@ class Compiled:
         types = tuple(map(type, leaves))
         key = (carry_td, arg_td, types)
         last = self._last_signature
-
-        def unhashable_static() -> str | None:  # the fields, named
-            tree = (
-                carry_td.unflatten(carry_leaves),
-                *arg_td.unflatten(leaves[len(carry_leaves) :]),
-            )
-            return _static_fields_message(tree)
-
         try:
             again = last is not None and last[0] == key
             found = None if again else self._signatures.get(key)
         except (TypeError, ValueError) as e:  # JAX compares static fields with ==
-            message = unhashable_static()
+            message = _static_fields_message(carry_leaves, carry_td, leaves, arg_td)
             if message is None:
                 raise
             raise StepError(message) from e
@@ -573,7 +565,7 @@ class Compiled:
                 # A new structure: refuse a static field that JAX cannot compare
                 # (a NumPy array) now, not at some later call or in one of JAX's
                 # caches (each compares structures with `==`)
-                message = unhashable_static()
+                message = _static_fields_message(carry_leaves, carry_td, leaves, arg_td)
                 if message is not None:
                     raise StepError(message)
                 if any(issubclass(t, Tracer) for t in types):
@@ -1231,11 +1223,17 @@ def _call_path_name(tree: tuple, path: tuple) -> str:
     return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
 
 
-def _static_fields_message(tree: tuple) -> str | None:
-    """The static fields of the modules in `(carry, args, kwargs)` whose values
-    JAX cannot compare (a NumPy array: JAX compares a structure with the ones it
-    has seen, and `==` of two arrays is no True/False), named by path; None when
-    there is none. What JAX takes (a list, a tuple, a function) passes."""
+def _static_fields_message(
+    carry_leaves: Sequence[Any], carry_td: Any, leaves: list, arg_td: Any
+) -> str | None:
+    """The static fields of the modules in a call's `(carry, args, kwargs)` whose
+    values JAX cannot compare (a NumPy array: JAX compares a structure with the
+    ones it has seen, and `==` of two arrays is no True/False), named by path;
+    None when there is none. What JAX takes (a list, a tuple, a function) passes."""
+    tree = (
+        carry_td.unflatten(carry_leaves),
+        *arg_td.unflatten(leaves[len(carry_leaves) :]),
+    )
     bad: list[str] = []
     todo: list[tuple[tuple, Any]] = [((), tree)]
     while todo and len(bad) < 5:
