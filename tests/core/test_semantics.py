@@ -762,7 +762,7 @@ def test_failing_step_without_donation_leaves_the_model_usable():
     step = es.make_step(guarded_loss, optax.sgd(0.1), donate=False)
     model = Guarded()
     opt_state = step.init(model)
-    bad = jnp.full((4, 3), jnp.nan)
+    bad = jnp.full((4, 3), jnp.nan, jnp.float32)
     with pytest.raises(eqx.EquinoxRuntimeError, match="NaN in the input"):
         out = step(model, opt_state, bad)
         jax.block_until_ready(out)
@@ -775,7 +775,9 @@ def test_failing_donating_step_consumes_the_model_as_documented():
     model = Guarded()
     opt_state = step.init(model)
     with pytest.raises(eqx.EquinoxRuntimeError, match="NaN in the input"):
-        jax.block_until_ready(step(model, opt_state, jnp.full((4, 3), jnp.nan)))
+        jax.block_until_ready(
+            step(model, opt_state, jnp.full((4, 3), jnp.nan, jnp.float32))
+        )
     with pytest.raises(es.StaleModelError, match="fails at run time"):
         step(model, opt_state, jnp.ones((4, 3)))
     with pytest.raises(es.StaleModelError, match="donate=False"):
