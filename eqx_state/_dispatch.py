@@ -1223,6 +1223,27 @@ def _call_path_name(tree: tuple, path: tuple) -> str:
     return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
 
 
+def _comparable(value: Any) -> bool:
+    """Whether JAX can compare a static value with `==` whatever it meets there:
+    no array in it (a NumPy or JAX array, of any size: `==` with another value
+    broadcasts to an array; tuples, lists, dicts and sets are looked into, since
+    their `==` skips an item that is the same object on both sides), and its own
+    `==` gives True or False."""
+    if isinstance(value, np.ndarray | jax.Array):
+        return False
+    if isinstance(value, tuple | list | set | frozenset):
+        if not all(map(_comparable, value)):
+            return False
+    elif isinstance(value, dict):
+        if not all(map(_comparable, value.values())):
+            return False
+    try:
+        bool(value == value)  # as JAX compares structures
+    except Exception:
+        return False
+    return True
+
+
 def _static_fields_message(
     carry_leaves: Sequence[Any], carry_td: Any, leaves: list, arg_td: Any
 ) -> str | None:
@@ -1243,9 +1264,7 @@ def _static_fields_message(
                 if not f.metadata.get("static", False):
                     continue
                 value = x.__dict__.get(f.name)
-                try:
-                    bool(value == value)  # as JAX compares structures
-                except Exception:
+                if not _comparable(value):
                     where = (*path, jax.tree_util.GetAttrKey(f.name))
                     bad.append(
                         f"{_call_path_name(tree, where)} ({type(value).__name__})"

@@ -263,6 +263,18 @@ def test_a_static_field_holding_an_array_is_named_by_its_path(runner):
             calls[runner](make())
         assert "eqx.field(static=True)" in str(info.value)
     linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    # an array inside a container, or of size 1: `==` of a container skips an
+    # item that is the same object, and a 0-d array broadcasts against a list
+    for table in (
+        (np.arange(3.0),),
+        {"a": np.arange(3.0)},
+        [np.float32(1.0), np.ones(())],
+    ):
+        with w.catch_warnings():
+            w.simplefilter("ignore")  # Equinox's warning about a JAX array there
+            model = _StaticTable(linear, table)
+        with pytest.raises(es.StepError, match=r"`model\.table`"):
+            calls[runner](model)
     calls[runner](_StaticTable(linear, (0.0, 1.0, 2.0)))  # a tuple runs
     calls[runner](_StaticTable(linear, [0.0, 1.0]))  # a list too (JAX compares it)
     calls[runner](_StaticTable(linear, [0.0, 1.0]))
