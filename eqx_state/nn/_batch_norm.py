@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -238,6 +239,30 @@ class BatchNorm(_LayerBase):
             self.num_batches_tracked = BatchStat(jnp.zeros((), jnp.int32), init=0)
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # An option set by a subclass's `__init__` after `super().__init__()`, as
+        # when the options were fields: it goes into `_options` (which Equinox lets
+        # `__init__` set, and freezes afterwards, as it froze the fields).
+        if name in _Options._fields and "_options" in self.__dict__:
+            options = self._options._replace(**{name: value})
+            try:
+                super().__setattr__("_options", options)
+            except dataclasses.FrozenInstanceError:  # named as the user wrote it
+                raise dataclasses.FrozenInstanceError(
+                    f"cannot assign to field {name!r}"
+                ) from None
+            return
+        super().__setattr__(name, value)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A BatchNorm pickled before its options were one field held them as
+        # seven fields: packed here, so it loads and runs as it did.
+        if "_options" not in state and all(k in state for k in _Options._fields):
+            state = dict(state)
+            state["_options"] = _Options(*(state.pop(k) for k in _Options._fields))
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     @property
     def num_features(self) -> int:

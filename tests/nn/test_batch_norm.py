@@ -999,3 +999,54 @@ def test_options_read_as_attributes_and_stay_static_like_torchs():
     assert n_leaves == 6  # weight, bias, 3 statistics, the inference flag
     with pytest.raises(AttributeError):
         bn.eps = 0.1  # type: ignore[misc]
+
+
+def test_a_pickle_from_before_the_options_were_one_field_loads_and_runs():
+    """A BatchNorm pickled when its seven options were fields (its `__dict__`
+    held `eps`, `momentum`, ...): it loads, reads its options and normalises as
+    a fresh layer does (checked against torch.nn.BatchNorm1d)."""
+    import dataclasses
+    import pickle
+
+    new = es.nn.BatchNorm(3, eps=1e-3, momentum=0.2)
+    state = {k: v for k, v in new.__dict__.items() if k != "_options"}
+    state.update(new._options._asdict())  # the old layout: one entry per option
+    old = object.__new__(es.nn.BatchNorm)
+    object.__getattribute__(old, "__dict__").update(state)
+    assert "_options" not in old.__dict__
+    loaded = pickle.loads(pickle.dumps(old))
+    assert (loaded.eps, loaded.momentum) == (1e-3, 0.2)
+    assert [f.name for f in dataclasses.fields(loaded)] == [
+        f.name for f in dataclasses.fields(new)
+    ]
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    y, bn = es.apply(lambda m, x: m(x), loaded, jnp.asarray(x))
+    tbn = torch.nn.BatchNorm1d(3, eps=1e-3, momentum=0.2)
+    ty = tbn(torch.from_numpy(x))
+    np.testing.assert_allclose(np.asarray(y), ty.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(bn.running_var[...]), tbn.running_var.numpy(), rtol=1e-6
+    )
+
+
+def test_a_subclass_may_set_an_option_in_its_init_and_not_after():
+    """As when the options were fields: a subclass's `__init__` may set one after
+    `super().__init__()`; afterwards the layer is frozen (Equinox's error, naming
+    the option)."""
+    import dataclasses
+
+    class LooseBN(es.nn.BatchNorm):
+        def __init__(self, n):
+            super().__init__(n)
+            self.eps = 1e-2
+
+    bn = LooseBN(3)
+    assert bn.eps == 1e-2 and jax.tree_util.tree_structure(bn) != (
+        jax.tree_util.tree_structure(es.nn.BatchNorm(3))
+    )
+    x = jnp.asarray([[0.0, 1.0, 2.0], [2.0, 3.0, 6.0]])
+    y, _ = es.apply(lambda m, x: m(x), bn, x)
+    ty = torch.nn.BatchNorm1d(3, eps=1e-2)(torch.from_numpy(np.array(x)))
+    np.testing.assert_allclose(np.asarray(y), ty.detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="'eps'"):
+        bn.eps = 0.5
