@@ -163,6 +163,22 @@ def test_eager_ref_mode_records_in_place():
         np.testing.assert_allclose(got[name], want, rtol=1e-6, err_msg=name)
 
 
+def test_python_numbers_are_recorded_and_lists_refused():
+    """A Python number (a loss, a scalar) is a value, recorded as `jnp.asarray`
+    reads it and returned as given; a list is refused as the layers refuse one."""
+    rec = es.to_refs(es.nn.Record("mean", "max"))
+    assert rec(1.5) == 1.5 and rec(-0.5) == -0.5 and rec(4) == 4
+    got = es.recorded(rec)
+    np.testing.assert_allclose(got["mean"], np.mean([1.5, -0.5, 4.0]), rtol=1e-7)
+    np.testing.assert_allclose(got["max"], 4.0)
+    cap = es.to_refs(es.nn.Capture(()))
+    assert cap(2.5) == 2.5
+    np.testing.assert_array_equal(cap.value[...], np.float32(2.5))
+    for layer in (rec, cap):
+        with pytest.raises(TypeError, match="expects a JAX or NumPy array"):
+            layer([1.0, 2.0])
+
+
 def test_streaming_statistics_over_many_calls_and_large_offsets():
     # Chan et al.'s merge: std of values with a large common offset stays accurate
     key = jax.random.key(0)
