@@ -171,7 +171,7 @@ def _python_leaf(value: Any, like: Any, where: str, source: str) -> Any:
         return cls(value)
     except (ValueError, TypeError) as e:
         raise CheckpointError(
-            f"At {where} {source} holds the {base.__name__} {value!r}, which "
+            f"At {where} {source} holds the {type(value).__name__} {value!r}, which "
             f"`like`'s type {cls.__qualname__} cannot hold ({e}). Build `like` the "
             "way the saved tree was built."
         ) from e
