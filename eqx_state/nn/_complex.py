@@ -23,9 +23,13 @@ def refuse_complex(where: str, dtype: Any, why: str, fix: str) -> None:
         )
 
 
-def refuse_non_array(where: str, x: Any) -> None:
+def refuse_non_array(where: str, x: Any, numbers: bool = False) -> None:
     """Raise `StateTypeError` if `x` is not an array (a list, a nested tuple):
-    `where`'s checks read its shape and dtype, as `jnp` functions refuse a list."""
+    `where`'s checks read its shape and dtype, as `jnp` functions refuse a list.
+    With `numbers=True` a Python number is taken too (a value `jnp.asarray`
+    reads: the recorders record a scalar loss)."""
+    if numbers and isinstance(x, bool | int | float | complex):
+        return
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise StateTypeError(
             f"{where} expects a JAX or NumPy array, got {type(x).__name__}. Convert "

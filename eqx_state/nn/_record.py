@@ -407,9 +407,7 @@ class Record(Recorder):
         del key
         if inference_flag(self):
             return x
-        if not isinstance(x, bool | int | float | complex):  # a Python number
-            # is a value (`jnp.asarray` takes it); a list is refused, as layers do
-            refuse_non_array(f"Record({', '.join(map(repr, self.names))})", x)
+        refuse_non_array(f"Record({', '.join(map(repr, self.names))})", x, numbers=True)
         cells = _cells(self.metrics)
         if not all(_is_ref(c.value) for c in cells):
             raise _not_writable(f"Record{self.names}")
@@ -663,8 +661,7 @@ class Capture(Recorder):
         del key
         if inference_flag(self):
             return x
-        if not isinstance(x, bool | int | float | complex):  # (as `Record`)
-            refuse_non_array(f"Capture(shape={self.shape})", x)
+        refuse_non_array(f"Capture(shape={self.shape})", x, numbers=True)
         if not (_is_ref(self.value.value) and _is_ref(self.count.value)):
             raise _not_writable(f"Capture{self.shape}")
         v = jax.lax.stop_gradient(jnp.asarray(x))

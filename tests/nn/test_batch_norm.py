@@ -999,6 +999,11 @@ def test_options_read_as_attributes_and_stay_static_like_torchs():
     assert n_leaves == 6  # weight, bias, 3 statistics, the inference flag
     with pytest.raises(AttributeError):
         bn.eps = 0.1  # type: ignore[misc]
+    import copy
+    import pickle
+
+    for twin in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
+        assert eqx.tree_equal(twin, bn) and td(twin) == td(bn)
 
 
 def test_a_pickle_from_before_the_options_were_one_field_loads_and_runs():
