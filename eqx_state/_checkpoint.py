@@ -26,14 +26,14 @@ import secrets
 import stat
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import check_live, is_state
-from ._compat import Tracer, ref_is_consumed
+from ._compat import Tracer, ref_is_consumed, under_trace
 from ._errors import StaleModelError, StateError, StateValueError, stale_message
 from ._modes import check_no_shared_refs
 
@@ -200,10 +200,27 @@ def _check_live(x: Any, where: str) -> None:
 
 
 def _read_ref(ref: Any, where: str) -> jax.Array:
-    """A snapshot (a copy) of the value of a ref-mode cell."""
+    """A snapshot (a copy) of the value of a ref-mode cell. Inside a traced
+    function (a concrete ref closed over by a `jax.jit`) the value is a tracer,
+    which the caller refuses; it is read, not frozen (`jax.freeze` would invalidate
+    the ref for the rest of the trace)."""
     if not isinstance(ref, Tracer) and ref_is_consumed(ref):  # donated away
         raise StaleModelError(stale_message(where.removeprefix("The ")))
+    if under_trace():
+        return ref[...]
     return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
+
+
+def refuse_tracer(caller: str, leaf: str, verb: str = "save") -> NoReturn:
+    """The one refusal of a value that is a tracer (a save inside `jax.jit`), for
+    every persistence path and `es.state_dict` (`verb="export"`)."""
+    raise CheckpointError(
+        f"Cannot {verb} the {leaf}: it is a tracer (`{caller}` was called "
+        "inside `jax.jit`, `grad` or `vmap`, where the model's arrays, and the values "
+        "of ref-mode cells closed over, are tracers). Save outside transformed code, "
+        "on the values the transformed function returns (a ref-mode model: after the "
+        "call, which wrote its refs)."
+    )
 
 
 @functools.cache
@@ -365,11 +382,7 @@ def saved_value(x: Any, caller: str, leaf: str, cell: str | None = None) -> Any:
     `"leaf at ['x']"` and, for a ref, `cell` (`"ref-mode cell at ['x']"`; `leaf`
     if None)."""
     if isinstance(x, Tracer):
-        raise CheckpointError(
-            f"Cannot save the {leaf}: it is a tracer (`{caller}` was called "
-            "inside `jax.jit`, `grad` or `vmap`). Save outside transformed code, on the "
-            "values the transformed function returns."
-        )
+        refuse_tracer(caller, leaf)
     if isinstance(x, jax.ShapeDtypeStruct):
         raise CheckpointError(
             f"Cannot save the {leaf}: it is an abstract array (a "
@@ -379,7 +392,10 @@ def saved_value(x: Any, caller: str, leaf: str, cell: str | None = None) -> Any:
             "model, or fill the abstract one first (`es.load(path, like=abstract)`)."
         )
     if isinstance(x, jax.Ref):
-        return _read_ref(x, cell or leaf)
+        value = _read_ref(x, cell or leaf)
+        if isinstance(value, Tracer):  # a concrete ref closed over by a trace
+            refuse_tracer(caller, cell or leaf)
+        return value
     if isinstance(x, jax.Array):
         _check_live(x, leaf)
         return x

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RecordState, RngState, check_live, is_state
-from ._checkpoint import _check_refs_unshared, _make_weak
+from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
+from ._compat import Tracer
 from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
 from ._modes import to_refs
 from ._torch_names import (
@@ -81,8 +82,12 @@ def _read_cell(cell: Buffer, name: str) -> Any:
         raise _stale(name, e) from e
 
 
-def _host(x: Any) -> np.ndarray | jax.ShapeDtypeStruct:
-    """A copy on the host; for an abstract value, its shape and dtype."""
+def _host(x: Any, name: str) -> np.ndarray | jax.ShapeDtypeStruct:
+    """A copy on the host; for an abstract value, its shape and dtype. A tracer
+    (`es.state_dict` inside `jax.jit`) is refused as every persistence path
+    refuses it."""
+    if isinstance(x, Tracer):
+        refuse_tracer("es.state_dict", f"model's `{name}`", "export")
     if isinstance(x, jax.ShapeDtypeStruct):
         if _is_key_dtype(x.dtype):
             x = _key_data_shape(x)
@@ -102,14 +107,14 @@ def _export(tree: Any, prefix: str, out: dict[str, Any]) -> None:
             value = leaf.value
             if not isinstance(value, jax.ShapeDtypeStruct):
                 value = _read_cell(leaf, name)
-            _put(out, name, _host(value))
+            _put(out, name, _host(value, name))
         elif (conv := _converter(leaf)) is not None:
             _check_module(leaf, name)
             for local, v in _view(leaf, conv).items():
                 _export(v, _join(name, local), out)
         elif _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
             _check_live(leaf, name)
-            _put(out, name, _host(leaf))
+            _put(out, name, _host(leaf, name))
 
 
 def _put(out: dict[str, Any], name: str, value: Any) -> None:

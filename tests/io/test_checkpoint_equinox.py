@@ -232,6 +232,8 @@ def _refusal(path, tmp_path, tree):
             es.save(tmp_path / "c", tree)
         elif path == "es.to_orbax":
             es.to_orbax(tree)
+        elif path == "es.state_dict":
+            es.state_dict(tree)
         else:
             eqx.tree_serialise_leaves(
                 tmp_path / "m.eqx", tree, filter_spec=es.serialise_filter_spec
@@ -265,18 +267,49 @@ def test_every_persistence_path_refuses_what_no_checkpoint_restores(tmp_path, le
         assert f"dtype {np.asarray(leaf).dtype}" in str(error), (path, error)
 
 
-def test_every_persistence_path_refuses_a_tracer(tmp_path):
-    for path in ("es.save", "es.to_orbax", "eqx.tree_serialise_leaves"):
-        errors = []
+_SAVING_PATHS = ("es.save", "es.to_orbax", "eqx.tree_serialise_leaves", "es.state_dict")
 
-        @jax.jit
-        def f(x, path=path, errors=errors):
-            errors.append(_refusal(path, tmp_path, {"x": x}))
-            return x
 
-        f(jnp.ones(2))
-        assert isinstance(errors[0], es.CheckpointError), (path, errors)
-        assert f"tracer (`{path}` was called inside" in str(errors[0])
+@pytest.mark.parametrize("path", _SAVING_PATHS)
+def test_every_persistence_path_refuses_a_tracer(tmp_path, path):
+    errors = []
+
+    @jax.jit
+    def f(x):
+        errors.append(_refusal(path, tmp_path, {"x": x}))
+        return x
+
+    f(jnp.ones(2))
+    assert isinstance(errors[0], es.CheckpointError), (path, errors)
+    assert f"tracer (`{path}` was called inside" in str(errors[0])
+    if path != "eqx.tree_serialise_leaves":  # Equinox opens its file first
+        assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("path", _SAVING_PATHS)
+def test_every_persistence_path_refuses_a_ref_mode_model_closed_over_by_a_trace(
+    tmp_path, path
+):
+    """A concrete ref-mode model closed over by `jax.jit` (as the docs recommend
+    inside compiled code): its cells' values are tracers there. Refused as a traced
+    array is (JAX's conversion errors, or silently tracers from `es.to_orbax`,
+    before), and the ref is still usable in the trace and after."""
+    bn = es.to_refs(es.nn.BatchNorm(3))
+    errors = []
+
+    @jax.jit
+    def f(x):
+        errors.append(_refusal(path, tmp_path, bn))
+        return x + bn.running_var[...]
+
+    np.testing.assert_array_equal(f(jnp.ones(3)), np.full(3, 2.0, np.float32))
+    assert isinstance(errors[0], es.CheckpointError), (path, errors)
+    assert f"tracer (`{path}` was called inside" in str(errors[0])
+    if path != "eqx.tree_serialise_leaves":  # there Equinox's error names the path
+        assert "running_mean" in str(errors[0])  # the first cell, named
+        assert not list(tmp_path.iterdir())  # and Equinox opens its file first
+    # outside the trace the same model saves
+    assert _refusal(path, tmp_path, bn) is None
 
 
 # ------------------------------------------------------ the file is the frozen model's
