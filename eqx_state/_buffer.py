@@ -23,6 +23,7 @@ from ._compat import (
     under_trace,
 )
 from ._errors import (
+    EqxStateError,
     StaleModelError,
     StateError,
     StateIndexError,
@@ -244,8 +245,45 @@ def named_cells(paths: dict[int, str]) -> Iterator[None]:
     token = _PATHS.set({**(_PATHS.get() or {}), **paths})
     try:
         yield
+    except EqxStateError as e:
+        _name_the_layer(e)
+        raise
     finally:
         _PATHS.reset(token)
+
+
+def _name_the_layer(e: EqxStateError) -> None:
+    """Prefix the message of `e`, raised inside a step or an apply, with the path
+    of the innermost layer it came from (`In `model.metrics['val_f1']` (F1): ...`),
+    so that of two layers of one kind the message says which one failed: found
+    from the traceback, as the first method's `self` that holds cells of the
+    model. Done once per error; a message that names that path (a cell's, or
+    BatchNorm's own `at ...`) is left as it is. The one place every layer's and
+    metric's errors get their path, instead of each message computing it."""
+    if getattr(e, "_eqx_state_named", False) or not (
+        e.args and isinstance(e.args[0], str)
+    ):
+        return
+    e._eqx_state_named = True  # pyright: ignore[reportAttributeAccessIssue]
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):  # the innermost first
+        layer = frame.f_locals.get("self")
+        if layer is None or isinstance(layer, Buffer):  # a cell names itself
+            continue
+        try:
+            where = layer_path(layer)
+        except Exception:  # an object without `vars`
+            continue
+        if where.startswith(" at `"):
+            path = where[len(" at `") : -1]
+            if f"`{path}" not in e.args[0]:
+                name = type(layer).__name__
+                e.args = (f"In `{path}` ({name}): {e.args[0]}", *e.args[1:])
+            return
 
 
 def describe(buf: Buffer) -> str:
@@ -307,11 +345,13 @@ def layer_path(layer: Any) -> str:
         return ""
     for name, value in vars(layer).items():
         if isinstance(value, Buffer) and id(value.value) in paths:
-            path = paths[id(value.value)]  # "`blocks.0.bn.running_mean` (mode)"
+            # "`model.blocks[0].bn.running_mean` (value mode)"
+            path = paths[id(value.value)]
             path = path.split("`")[1] if path.count("`") >= 2 else path
-            if path == name:
+            path = path.removesuffix("." + name)
+            if path == "model":
                 return " (the model itself)"
-            return f" at `{path.removesuffix('.' + name)}`"
+            return f" at `{path}`"
     return ""
 
 

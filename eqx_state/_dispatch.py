@@ -75,7 +75,7 @@ from ._errors import (
     stale_message,
     user_stacklevel,
 )
-from ._modes import _WITNESS_DTYPE, argument_name, path_str, shared_ref_message
+from ._modes import _WITNESS_DTYPE, argument_name, model_path, shared_ref_message
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -1199,7 +1199,7 @@ def _where(dyn: list, layout: _Signature) -> tuple:
 
 def _leaf_path(carry: tuple, i: int) -> str:
     """The path of a cell's leaf in the model (the first item of the carry)."""
-    path = path_str(jax.tree_util.tree_flatten_with_path(carry)[0][i][0][1:])
+    path = model_path(jax.tree_util.tree_flatten_with_path(carry)[0][i][0][1:])
     return path.removesuffix(".value")
 
 
@@ -1218,7 +1218,7 @@ def _call_path_name(tree: tuple, path: tuple) -> str:
     roots = ["model", "opt_state"] if len(tree[0]) == 2 else ["model"]
     if path[0].idx == 0:  # the carry
         head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"
-        return f"`{head}{jax.tree_util.keystr(tuple(path[2:]))}`"
+        return f"`{model_path(tuple(path[2:]), head)}`"
     # the arguments: `(args, kwargs)` is the rest of the tree
     return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
 

@@ -44,10 +44,19 @@ def key_name(k: Any) -> str:
 
 
 def path_str(path: tuple) -> str:
-    """A key path as a dotted name, PyTorch style: `blocks.0.bn.running_mean` (the
-    one path formatter; `_torch_names.torch_path_name` adds PyTorch's names for
-    converted layers on top of it)."""
+    """A key path as a dotted name, PyTorch style: `blocks.0.bn.running_mean`: the
+    names of state-dict entries and of sharding rules (`_torch_names.torch_path_name`
+    adds PyTorch's names for converted layers on top of it). Messages name a place
+    in a model with `model_path`."""
     return ".".join(map(key_name, path))
+
+
+def model_path(path: tuple, root: str = "model") -> str:
+    """The one way messages name a place in a model: as Python reaches it from
+    `root`, `model.blocks[0].bn.running_mean`, `model.d['head 1']` (unambiguous
+    for dict keys holding dots or spaces, and pasteable). Every runner names a
+    model's leaves so (`_dispatch._call_path_name` adds `opt_state`, `args[i]`)."""
+    return root + jax.tree_util.keystr(path)
 
 
 # -- a layer's cell fields hold cells ---------------------------------------------
@@ -106,8 +115,9 @@ def _cell_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
 def _not_a_cell_message(
     where: str, access: str, var: str, kind: type, value: Any
 ) -> str:
-    """`where`: the field's dotted name; `access`: how Python reaches it from
-    `var` (`.seq.layers[1].running_mean`)."""
+    """`where`: the field's place (`model_path`'s form,
+    `model.seq.layers[1].running_mean`); `access`: how Python reaches it from `var`
+    (`.seq.layers[1].running_mean`)."""
     if issubclass(kind, Buffer):
         what = "a state cell"
         fix = (
@@ -157,23 +167,21 @@ def check_cell_fields(model: Any, root: str = "model") -> None:
             # or a cell of another kind, is the layer's business)
             raise StateTypeError(_not_a_cell_message(where, access, var, kind, value))
 
-    def visit(tree: Any, where0: str, access0: str) -> None:
+    def visit(tree: Any, access0: str) -> None:
         for path, node in jax.tree_util.tree_flatten_with_path(
             tree, is_leaf=lambda x: isinstance(x, _LayerBase)
         )[0]:
             if not isinstance(node, _LayerBase):
                 continue
-            where = f"{where0}.{path_str(path)}" if path else where0
             access = access0 + jax.tree_util.keystr(path)
             for name, kind, items in _cell_fields(type(node)):
                 value = node.__dict__.get(name)
                 if not items:
-                    check(f"{where}.{name}", f"{access}.{name}", kind, value)
+                    check(f"{root}{access}.{name}", f"{access}.{name}", kind, value)
                 elif isinstance(value, tuple):
                     for k, item in enumerate(value):
-                        check(
-                            f"{where}.{name}.{k}", f"{access}.{name}[{k}]", kind, item
-                        )
+                        here = f"{access}.{name}[{k}]"
+                        check(f"{root}{here}", here, kind, item)
             for name, value in node.__dict__.items():
                 if not isinstance(value, Buffer) and any(
                     isinstance(x, _LayerBase)
@@ -181,9 +189,9 @@ def check_cell_fields(model: Any, root: str = "model") -> None:
                         value, is_leaf=lambda x: isinstance(x, _LayerBase)
                     )
                 ):
-                    visit(value, f"{where}.{name}", f"{access}.{name}")
+                    visit(value, f"{access}.{name}")
 
-    visit(model, root, "")
+    visit(model, "")
     if len(_CHECKED) > 1000:  # a bound (structures are small, but a process may
         _CHECKED.clear()  # build many models)
     if treedef is not None:
@@ -197,7 +205,7 @@ def check_tree_live(tree: Any) -> None:
     first read of a parameter: `es.apply`, `es.reset`, `es.inference_mode`,
     `es.to_refs`, `es.freeze`."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        check_live(leaf, f"model's leaf `{path_str(path)}`")
+        check_live(leaf, f"model's leaf `{model_path(path)}`")
 
 
 def argument_name(path: tuple) -> str:
@@ -243,7 +251,7 @@ def _witness(v: Any) -> jax.Array:
 
 def _map_cells_with_path(fn: Any, tree: Any) -> Any:
     def one(path: tuple, x: Any) -> Any:
-        return fn(path_str(path), x) if is_state(x) else x
+        return fn(model_path(path), x) if is_state(x) else x
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_state)
 
@@ -278,7 +286,7 @@ def check_no_shared_refs(tree: Any) -> None:
     seen: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
         if is_state(leaf) and _is_ref(leaf.value):
-            here = path_str(path) or "<root>"
+            here = model_path(path)
             first = seen.setdefault(id(leaf.value), here)  # identity of a ref
             if first != here:
                 raise StateError(shared_ref_message(f"`{first}`", f"`{here}`"))
@@ -410,7 +418,7 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     def one(path: str, buf: Buffer) -> Buffer:
         check_live(buf.value, describe(buf))
         v = buf.value
-        where = f"`{path}`" if path else "the root"  # the model is the cell itself
+        where = f"`{path}`"
         if _is_ref(v):
             record.append(buf)
             paths[id(v)] = f"{where} (ref mode)"

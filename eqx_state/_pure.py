@@ -30,6 +30,7 @@ from ._errors import (
 from ._modes import (
     argument_name,
     check_tree_live,
+    model_path,
     refreeze,
     thaw,
     without_witnesses,
@@ -283,7 +284,7 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
         if tuple(jnp.shape(g)) != tuple(w.shape):
             raise StepError(
                 "The optimizer state does not match the parameters this step "
-                f"trains: its leaf `opt_state{jax.tree_util.keystr(path)}` has shape "
+                f"trains: its leaf `{model_path(path, 'opt_state')}` has shape "
                 f"{tuple(jnp.shape(g))}, where `step.init(model)` makes "
                 f"{tuple(w.shape)}: it was made for a model of other sizes. Make it "
                 "with this step's `step.init(model)`."

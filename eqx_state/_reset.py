@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ._buffer import Buffer, MetricState, is_state
 from ._compat import Tracer
 from ._errors import StateTypeError, StateValueError
-from ._modes import check_tree_live
+from ._modes import check_tree_live, model_path
 
 
 _T = TypeVar("_T")
@@ -90,7 +90,7 @@ def reset(model: _T, which: Which = MetricState) -> _T:
             return x
         if x.init is None:
             raise StateValueError(
-                f"reset: the {type(x).__name__} cell at `model{jax.tree_util.keystr(path)}` "
+                f"reset: the {type(x).__name__} cell at `{model_path(path)}` "
                 "has no initial value to go back to (its `init` is None). Narrow "
                 "`which` to the kinds you mean (e.g. `which=eqx_state.MetricState`), "
                 "or give the cell one when it is built, `Buffer(value, init=0.0)`."

@@ -166,14 +166,10 @@ class Step:
         object.__setattr__(self, "_scan", scan)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise ReadOnlyError(
-            f"`step.{name}` cannot be changed: the compiled step was built from "
-            "what `es.make_step` was given. Build a new step with "
-            f"`es.make_step(..., {name}=...)` (an optimizer state made by the old "
-            "step's `init` fits the new one when the optimizer's state has the same "
-            "structure). To change a hyperparameter between steps, use "
-            "`optax.inject_hyperparams` and set it in the optimizer state."
-        )
+        raise ReadOnlyError(_read_only_message("step", "make_step", name))
+
+    def __delattr__(self, name: str) -> None:
+        raise ReadOnlyError(_read_only_message("step", "make_step", name))
 
     @property
     def trace_count(self) -> int:
@@ -429,12 +425,35 @@ def trainable_params(model: Any, trainable: Any = None) -> Any:
     return eqx.filter(model, mask, is_leaf=is_state)
 
 
+def _read_only_message(var: str, builder: str, name: str) -> str:
+    """The one refusal of a change to a compiled runner (`Step`, `Apply`): what it
+    compiled was built from what `builder` was given, so a new value would be
+    shown but not used."""
+    text = (
+        f"`{var}.{name}` cannot be changed: the compiled call was built from what "
+        f"`es.{builder}` was given, and would keep using it. Build a new one with "
+        f"`es.{builder}(..., {name}=...)`"
+    )
+    if builder != "make_step":
+        return text + "."
+    return text + (
+        " (an optimizer state made by the old step's `init` fits the new one when "
+        "the optimizer's state has the same structure). To change a hyperparameter "
+        "between steps, use `optax.inject_hyperparams` and set it in the optimizer "
+        "state."
+    )
+
+
 class Apply:
     """A compiled state-writing call; build it with [`eqx_state.make_apply`][].
 
     Call it as `out, model = apply_fn(model, *args, **kwargs)`.
     `apply_fn.trace_count` counts how often it was traced (compiled).
     """
+
+    fn: Callable[..., Any]
+    _compiled: Compiled
+    _scan: Compiled
 
     def __init__(
         self,
@@ -445,7 +464,7 @@ class Apply:
         scan_unroll: int | bool = 1,
     ):
         check_options("make_apply", fn, jit_kwargs, scan_unroll, donate=donate)
-        self.fn = fn
+        object.__setattr__(self, "fn", fn)
 
         body = jit_body(fn)  # compiled: an `eqx.filter_jit`'s body
 
@@ -458,14 +477,14 @@ class Apply:
 
         # Only the state cells are replaced, so only they are donated; parameters
         # come back as the caller's own arrays.
-        self._compiled = Compiled(
+        compiled = Compiled(
             pure,
             donate=donate,
             donate_policy=cells_only,
             jit_kwargs=jit_kwargs,
             name="eqx_state_apply",
         )
-        self._scan = Compiled(
+        scan = Compiled(
             scan_fn,
             donate=donate,
             donate_policy=cells_only,
@@ -473,6 +492,14 @@ class Apply:
             name="eqx_state_apply_scan",
             scanned=True,
         )
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_scan", scan)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ReadOnlyError(_read_only_message("apply_fn", "make_apply", name))
+
+    def __delattr__(self, name: str) -> None:
+        raise ReadOnlyError(_read_only_message("apply_fn", "make_apply", name))
 
     @property
     def trace_count(self) -> int:

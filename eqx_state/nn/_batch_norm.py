@@ -301,15 +301,30 @@ class BatchNorm(_LayerBase):
         return self.running_mean is not None
 
     def _check(self, x: Array) -> int:
-        refuse_non_array("BatchNorm", x)
+        # how errors name the layer: `BatchNorm(4) at `model.blocks[1].bn`` in a step
+        where = f"BatchNorm({self.num_features}){layer_path(self)}"
+        refuse_non_array(where, x)
         for name in ("weight", "bias"):  # as a cell read checks its array
-            check_live(getattr(self, name), f"BatchNorm{layer_path(self)} `{name}`")
+            check_live(getattr(self, name), f"{where} `{name}`")
+        stats = ("running_mean", "running_var", "num_batches_tracked")
+        gone = [name for name in stats if getattr(self, name) is None]
+        if 0 < len(gone) < len(stats):
+            kept = ", ".join(f"`{n}`" for n in stats if n not in gone)
+            raise StateTypeError(
+                f"{where} has {', '.join(f'`{n}`' for n in gone)} set to None but "
+                f"still holds {kept}: its running statistics are kept all together "
+                "(track_running_stats=True) or not at all (False), as PyTorch's "
+                "BatchNorm refuses one of running_mean and running_var being None. "
+                "To normalise with batch statistics only, build it with "
+                "`BatchNorm(..., track_running_stats=False)` (or set all three to "
+                "None); otherwise put the cells back."
+            )
         if x.ndim < 1:
             raise StateValueError(
-                "BatchNorm expects an input with a channel axis, got a scalar."
+                f"{where} expects an input with a channel axis, got a scalar."
             )
         refuse_complex(
-            "BatchNorm",
+            where,
             x.dtype,
             "as in torch.nn.BatchNorm, the variance of complex data has more than "
             "one definition",
@@ -319,7 +334,7 @@ class BatchNorm(_LayerBase):
         )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise StateTypeError(
-                f"BatchNorm expects a floating-point input, got {x.dtype}. Cast it "
+                f"{where} expects a floating-point input, got {x.dtype}. Cast it "
                 "first, e.g. `bn(x.astype(jnp.float32))`."
             )
         # One example [C] (a per-example call, e.g. under `jax.vmap`): said before
@@ -331,7 +346,7 @@ class BatchNorm(_LayerBase):
             and self._uses_batch_stats()
         ):
             raise StateValueError(
-                f"BatchNorm{layer_path(self)} got a single example of shape {x.shape} "
+                f"{where} got a single example of shape {x.shape} "
                 f"{self._why()}: "
                 "batch statistics need a batch. Call it on a batch [N, C, ...], or, "
                 "per example under `eqx_state.vmap(model, axis_name=name)`, build it "
@@ -349,8 +364,7 @@ class BatchNorm(_LayerBase):
         axis = self.channel_axis % x.ndim
         if x.shape[axis] != self.num_features:
             raise StateValueError(
-                f"BatchNorm({self.num_features}){layer_path(self)} got an input of shape "
-                f"{x.shape} with "
+                f"{where} got an input of shape {x.shape} with "
                 f"channel_axis={self.channel_axis}: expected {self.num_features} "
                 f"channels on that axis, found {x.shape[axis]}. For inputs laid out "
                 "[N, C, ...] use channel_axis=1 (PyTorch's layout); for "
@@ -364,7 +378,7 @@ class BatchNorm(_LayerBase):
                 check_cell_fields(self, root="BatchNorm")  # not a cell: say so
             if held is not None and tuple(held.shape) != (self.num_features,):
                 raise StateValueError(
-                    f"BatchNorm({self.num_features}){layer_path(self)}: its `{name}` "
+                    f"{where}: its `{name}` "
                     f"has shape {tuple(held.shape)}, not ({self.num_features},): a "
                     "value of another shape was put there (e.g. by `eqx.tree_at`, or "
                     "from another model's checkpoint). Put one of shape "

@@ -17,6 +17,7 @@ from .._buffer import (
     params,
 )
 from .._errors import StateValueError, check_bool, check_int, check_real
+from .._modes import model_path
 from ._complex import refuse_complex
 from ._counter import saturating_add
 from ._flag import inference_flag
@@ -313,7 +314,7 @@ class EMA(_LayerBase):
                 refuse_complex(
                     "EMA.update",
                     x.dtype,
-                    f"the EMA keeps the average of `model{jax.tree_util.keystr(path)}` "
+                    f"the EMA keeps the average of `{model_path(path)}` "
                     f"in {jnp.dtype(cell.dtype).name} (the model it was built from "
                     "has real parameters there)",
                     "Build the EMA from a model with complex parameters (it then "
@@ -377,7 +378,7 @@ def _differences(expected: Any, got: Any, path: tuple) -> list[str]:
     """Where `got` (a model's `es.params`) differs from `expected` (the EMA's
     template: `jax.ShapeDtypeStruct` leaves), by path: a parameter's shape, a
     static field (e.g. a `Linear`'s `out_features`), a type, or a missing field."""
-    where = f"`model{jax.tree_util.keystr(path)}`"
+    where = f"`{model_path(path)}`"
     exp_leaf = isinstance(expected, jax.ShapeDtypeStruct)
     got_leaf = _is_param(got)
     if exp_leaf and got_leaf:

@@ -385,3 +385,69 @@ def test_an_optimizer_that_needs_more_than_the_loss_names_the_fix():
     for _ in range(3):
         got, got_s = step(got, got_s, x)
     np.testing.assert_allclose(got["w"], p["w"], rtol=1e-6)
+
+
+class _TwoOfEach(eqx.Module):
+    norms: list
+    metrics: dict
+
+    def __init__(self):
+        self.norms = [es.nn.RunningNorm(3), es.nn.RunningNorm(4)]
+        self.metrics = {
+            "train": es.metrics.F1(3, average="macro"),
+            "val": es.metrics.F1(3, average="macro"),
+        }
+
+
+class _WritesAnInt(es.metrics.Metric):
+    total: es.MetricState = es.metrics.statistic("sum", shape=(), dtype=jnp.float32)
+
+    def update(self, x):
+        self.total[...] = jnp.int32(1)  # a dtype the cell refuses
+
+    def compute(self):
+        return self.total[...]
+
+
+@pytest.mark.parametrize("runner", ["step", "scan", "apply", "make_apply"])
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_an_error_inside_a_layer_names_which_layer_by_its_path(runner, mode):
+    """Of two layers (or metrics) of one kind, the message says which one got the
+    wrong input, on every runner: one rule where the runners name cells
+    (`named_cells`), from the failing method's layer, instead of each layer's
+    messages (only BatchNorm's named it, as `at ...`)."""
+    model = _TwoOfEach()
+    model = es.to_refs(model) if mode == "ref" else model
+    x3, y = jnp.ones((4, 3)), jnp.zeros(4, jnp.int32)
+    cases = {
+        r"In `model\.norms\[1\]` \(RunningNorm\): RunningNorm\(shape=\(4,\)\) got": (
+            lambda m, x: m.norms[1](x)
+        ),
+        r"In `model\.metrics\['val'\]` \(F1\): F1\(num_classes=3\) got logits": (
+            lambda m, x: m.metrics["val"].update(jnp.ones((4, 2)), y)
+        ),
+    }
+    for match, body in cases.items():
+
+        def loss(m, x, body=body):
+            body(m, x)
+            return jnp.sum(x**2)
+
+        step = es.make_step(loss, optax.sgd(0.1))
+        call = {
+            "step": lambda s=step: s(model, s.init(model), x3),
+            "scan": lambda s=step: s.scan(model, s.init(model), x3[None]),
+            "apply": lambda: es.apply(loss, model, x3),
+            "make_apply": lambda: es.make_apply(loss)(model, x3),
+        }[runner]
+        with pytest.raises(es.EqxStateError, match=match) as info:
+            call()
+        assert str(info.value).count("In `") == 1  # named once, not per frame
+
+    # an error that names its cell already is left as it is
+    metric = _WritesAnInt()
+    metric = es.to_refs(metric) if mode == "ref" else metric
+    with pytest.raises(es.EqxStateError) as info:
+        es.apply(lambda m, x: m["m"].update(x), {"m": metric}, x3)
+    assert "cell at `model['m'].total`" in str(info.value)
+    assert not str(info.value).startswith("In `")

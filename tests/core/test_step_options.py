@@ -304,7 +304,7 @@ def test_state_errors_name_the_cell_path_and_mode(mode):
         model = es.to_refs(model)
     step = es.make_step(bad_loss, optax.sgd(0.1))
     with pytest.raises(
-        es.StateWriteError, match=rf"`net\.bn\.running_mean` \({mode} mode\)"
+        es.StateWriteError, match=rf"`model\.net\.bn\.running_mean` \({mode} mode\)"
     ):
         step(model, step.init(model), xs[0], ys[0])
 

@@ -140,7 +140,9 @@ def test_one_ref_at_two_places_is_refused(tmp_path):
         es.save(tmp_path / "c", model)
     message = str(info.value)
     assert message.startswith("`es.save` refuses a tree that holds one ref at two")
-    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert (
+        "`model.a.count` and `model.b.count`" in message and "eqx.nn.Shared" in message
+    )
     assert isinstance(info.value, es.StateError)  # what docs/misuse.md promises
     assert isinstance(info.value.__cause__, es.StateError)
     assert not (tmp_path / "c").exists()

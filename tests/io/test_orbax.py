@@ -233,7 +233,9 @@ def test_one_ref_at_two_places_is_refused():
         es.to_orbax(TwoCounters(counter, counter))
     message = str(info.value)
     assert message.startswith("`es.to_orbax` refuses a tree that holds one ref at two")
-    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert (
+        "`model.a.count` and `model.b.count`" in message and "eqx.nn.Shared" in message
+    )
     assert isinstance(info.value, es.StateError)
 
 

@@ -427,7 +427,9 @@ def test_one_ref_at_two_places_is_refused():
         "`es.state_dict` refuses a tree that holds one ref at two places: a state "
         "dict names each place"
     )
-    assert "`a.count` and `b.count`" in message and "eqx.nn.Shared" in message
+    assert (
+        "`model.a.count` and `model.b.count`" in message and "eqx.nn.Shared" in message
+    )
     assert isinstance(info.value, es.StateError)
     # each place with its own ref: two names, two values, bit for bit
     model = es.to_refs(TwoCounters(es.nn.Counter(), es.nn.Counter()))

@@ -148,7 +148,7 @@ def test_ref_mode_cells_off_the_layout_name_the_fix(mesh2x2):
     step = es.make_step(loss_fn, optax.sgd(0.1), mesh=mesh2x2, layout=LAYOUT)
     xs, ys = _data(1)
     with pytest.raises(
-        es.StepError, match=r"`bn\.running_mean`.*es\.to_refs\(es\.place\("
+        es.StepError, match=r"`model\.bn\.running_mean`.*es\.to_refs\(es\.place\("
     ):
         step(model, step.init(model), xs[0], ys[0])
     with pytest.raises(es.StateError, match="JAX cannot move a ref"):
@@ -159,7 +159,7 @@ def test_ref_mode_cells_off_the_layout_name_the_fix(mesh2x2):
     placed = es.to_refs(es.place(Net(jax.random.key(0)), mesh2x2, LAYOUT))
     step(placed, step.init(placed), xs[0], ys[0])
     with pytest.raises(
-        es.StepError, match=r"`bn\.running_mean`.*es\.to_refs\(es\.place\("
+        es.StepError, match=r"`model\.bn\.running_mean`.*es\.to_refs\(es\.place\("
     ):
         step(model, step.init(model), xs[0], ys[0])
     assert model.bn.running_mean.value.sharding.is_equivalent_to(rep, 1)  # unmoved

@@ -874,9 +874,11 @@ def test_all_masked_channel_gives_nan_like_flax_with_finite_gradients(mode):
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
-def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode):
+def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode, monkeypatch):
     """Inside a step or an apply the error says which BatchNorm of the model got
     the wrong input (there is no path to give for an eager call on a layer)."""
+    # the suite's type checker would refuse the wrong inputs first (a user has none)
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
     model = eqx.nn.Sequential(
         [
             es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))),
@@ -887,10 +889,90 @@ def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode):
     model = es.to_refs(model) if mode == "ref" else model
     step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
     x = jnp.ones((8, 3))
-    with pytest.raises(es.EqxStateError, match=r"BatchNorm\(5\) at `layers\.2` got"):
+    with pytest.raises(
+        es.EqxStateError, match=r"BatchNorm\(5\) at `model\.layers\[2\]` got"
+    ):
         step(model, step.init(model), x)
-    with pytest.raises(es.EqxStateError, match=r"BatchNorm\(5\) at `layers\.2` got"):
+    with pytest.raises(
+        es.EqxStateError, match=r"BatchNorm\(5\) at `model\.layers\[2\]` got"
+    ):
         es.apply(lambda m, x: m(x), model, x)
+    # every check of the input names it: an integer input, a list, a scalar, complex
+    layers = (es.nn.BatchNorm(3), es.nn.BatchNorm(3))
+    for bad, kind in [
+        (lambda x: x.astype(jnp.int32), "floating-point input"),
+        (lambda x: [1.0, 2.0, 3.0], "JAX or NumPy array"),
+        (lambda x: x[0, 0], "channel axis"),
+        (lambda x: x.astype(jnp.complex64), "complex input"),
+    ]:
+        two = eqx.nn.Sequential([*layers, eqx.nn.Lambda(bad), es.nn.BatchNorm(3)])
+        two = es.to_refs(two) if mode == "ref" else two
+        with pytest.raises(
+            es.EqxStateError, match=r"BatchNorm\(3\) at `model\.layers\[3\]`"
+        ):
+            step(two, step.init(two), jnp.ones((8, 3)))
+        with pytest.raises(es.EqxStateError, match=kind):
+            es.apply(lambda m, x: m(x), two, jnp.ones((8, 3)))
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("gone", ["running_mean", "running_var", "num_batches_tracked"])
+def test_a_running_statistic_set_to_none_alone_is_refused_as_torch_refuses_it(
+    mode, gone
+):
+    """The running statistics are kept all together or not at all. One of them set
+    to None (`eqx.tree_at`, as one sets a PyTorch buffer to None) silently turned
+    the layer into `track_running_stats=False` (running_mean), leaving the other
+    cells stale, or failed with a bare `AssertionError`; PyTorch refuses it."""
+    tbn = torch.nn.BatchNorm1d(3)
+    setattr(tbn, gone, None)
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
+    if gone != "num_batches_tracked":  # PyTorch ignores that one being None
+        with pytest.raises(ValueError, match="must either both be None"):
+            tbn(torch.from_numpy(x))
+
+    model = eqx.nn.Sequential([es.nn.BatchNorm(3), es.nn.BatchNorm(3)])
+    model = eqx.tree_at(lambda m: getattr(m[1], gone), model, None, is_leaf=es.is_state)
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    x = jnp.asarray(x)
+    for call in (
+        lambda: step(model, step.init(model), x),
+        lambda: es.apply(lambda m, x: m(x), model, x),
+        lambda: es.apply(lambda m, x: m(x), model[1], x),
+    ):
+        with pytest.raises(es.EqxStateError, match=f"`{gone}` set to None") as info:
+            call()
+        assert isinstance(info.value, TypeError)
+        assert "track_running_stats=False" in str(info.value)
+    with pytest.raises(
+        es.EqxStateError, match=r"BatchNorm\(3\) at `model\.layers\[1\]` has"
+    ):
+        step(model, step.init(model), x)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_all_running_statistics_set_to_none_normalise_as_torch_without_them(mode):
+    """All three set to None is `track_running_stats=False`: batch statistics in
+    training and in evaluation, as `torch.nn.BatchNorm1d(track_running_stats=False)`."""
+    tbn = torch.nn.BatchNorm1d(3, track_running_stats=False)
+    bn = es.nn.BatchNorm(3)
+    bn = eqx.tree_at(
+        lambda b: (b.running_mean, b.running_var, b.num_batches_tracked),
+        bn,
+        (None, None, None),
+        is_leaf=lambda v: v is None or es.is_state(v),
+    )
+    bn = es.to_refs(bn) if mode == "ref" else bn
+    x = np.random.default_rng(1).normal(size=(6, 3)).astype(np.float32)
+    want = tbn(torch.from_numpy(x)).detach().numpy()
+    out, bn = _run(mode, bn, jnp.asarray(x))
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    tbn.eval()
+    want = tbn(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(
+        es.inference_mode(bn)(jnp.asarray(x)), want, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_eps_zero_is_refused_with_batch_statistics_as_in_torch():
@@ -973,7 +1055,7 @@ def test_an_evaluation_copy_kept_across_a_step_is_stale_with_the_fix():
     x = jnp.ones((4, 3)) + jnp.arange(4.0)[:, None]
     evaluation = eqx.nn.inference_mode(model)
     model, opt_state = step(model, opt_state, x)
-    with pytest.raises(es.StaleModelError, match="BatchNorm `weight`.*consumed"):
+    with pytest.raises(es.StaleModelError, match=r"BatchNorm\(3\) `weight`.*consumed"):
         evaluation(x)
     assert eqx.nn.inference_mode(model)(x).shape == (4, 3)  # the fix
 
