@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
+import re
 from collections.abc import Hashable, Iterator
 from typing import Any, no_type_check
 
@@ -265,30 +266,38 @@ def _name_the_layer(e: EqxStateError) -> None:
     ):
         return
     e._eqx_state_named = True  # pyright: ignore[reportAttributeAccessIssue]
-    frames = []
-    tb = e.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):  # the innermost first
-        layer = frame.f_locals.get("self")
-        if layer is None or isinstance(layer, Buffer):  # a cell names itself
-            continue
-        try:
+    # the error's own frames, innermost first; then its cause's (an error that
+    # `_cond_note` converts is raised where that note is, away from the layer)
+    frames: list[Any] = []
+    for err in (e, e.__cause__):
+        inner = []
+        tb = getattr(err, "__traceback__", None)
+        while tb is not None:
+            inner.append(tb.tb_frame)
+            tb = tb.tb_next
+        frames += reversed(inner)
+    message = e.args[0]
+    for frame in frames:
+        try:  # whatever a frame's `self` does, the user's error stays the error
+            layer = frame.f_locals.get("self")
+            if layer is None or isinstance(layer, Buffer):  # a cell names itself
+                continue
             where = layer_path(layer)
-        except Exception:  # an object without `vars`
+        except Exception:
             continue
         if where.startswith(" at `"):
             path = where[len(" at `") : -1]
-            if f"`{path}" not in e.args[0]:
+            # named already when the path appears as a whole: followed by the
+            # end of the name, a field or an index (`model.a` is not in `model.ab`)
+            if not re.search(f"`{re.escape(path)}(?=[`.\\[ ])", message):
                 name = type(layer).__name__
-                e.args = (f"In `{path}` ({name}): {e.args[0]}", *e.args[1:])
+                e.args = (f"In `{path}` ({name}): {message}", *e.args[1:])
             return
 
 
 def describe(buf: Buffer) -> str:
     """How errors name a cell: its kind, shape and, inside a step or an apply, its
-    path in the model (`blocks.0.bn.running_mean`)."""
+    path in the model (`model.blocks[0].bn.running_mean`)."""
     shape = tuple(getattr(buf.value, "shape", ()))
     path = (_PATHS.get() or {}).get(id(buf.value))
     where = f" at {path}" if path else ""

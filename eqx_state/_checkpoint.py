@@ -216,7 +216,8 @@ def refuse_tracer(caller: str, leaf: str, verb: str = "save") -> NoReturn:
     every persistence path and `es.state_dict` (`verb="export"`)."""
     raise CheckpointError(
         f"Cannot {verb} the {leaf}: it is a tracer (`{caller}` was called "
-        "inside `jax.jit`, `grad` or `vmap`, where the model's arrays, and the values "
+        "inside `jax.jit`, `grad`, `vmap` or `eval_shape`, where the model's arrays, "
+        "and the values "
         "of ref-mode cells closed over, are tracers). Save outside transformed code, "
         "on the values the transformed function returns (a ref-mode model: after the "
         "call, which wrote its refs)."

@@ -425,14 +425,37 @@ def trainable_params(model: Any, trainable: Any = None) -> Any:
     return eqx.filter(model, mask, is_leaf=is_state)
 
 
+# what each builder takes, by the name its runner shows it under
+_OPTIONS = {
+    "make_step": (
+        "loss_fn",
+        "optimizer",
+        "has_aux",
+        "return_loss",
+        "trainable",
+        "mesh",
+        "data_axis",
+        "layout",
+        "microbatches",
+    ),
+    "make_apply": ("fn",),
+}
+
+
 def _read_only_message(var: str, builder: str, name: str) -> str:
     """The one refusal of a change to a compiled runner (`Step`, `Apply`): what it
     compiled was built from what `builder` was given, so a new value would be
     shown but not used."""
     text = (
         f"`{var}.{name}` cannot be changed: the compiled call was built from what "
-        f"`es.{builder}` was given, and would keep using it. Build a new one with "
-        f"`es.{builder}(..., {name}=...)`"
+        f"`es.{builder}` was given, and would keep using it. Build a new one"
+    )
+    if name.startswith("_") or name not in _OPTIONS[builder]:
+        return text + f" with `es.{builder}(...)`."
+    text += (
+        f" with `es.{builder}(new_fn, ...)`"
+        if name == "fn"
+        else f" with `es.{builder}(..., {name}=...)`"
     )
     if builder != "make_step":
         return text + "."

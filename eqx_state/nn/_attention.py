@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._buffer import Cache, _LayerBase, is_state
 from .._errors import StateValueError, check_bool, check_int
+from .._modes import model_path
 from ._complex import refuse_non_array
 from ._kv_cache import KVCache
 
@@ -270,7 +271,7 @@ def with_kv_cache(
     def one(path: Any, x: Any) -> Any:
         if not _is_attn(x):
             return x
-        _check_stacked(jax.tree_util.keystr(path), x, batch_size)
+        _check_stacked(model_path(path), x, batch_size)
         cache = KVCache(
             max_len,
             x.num_heads,

@@ -313,8 +313,9 @@ class BatchNorm(_LayerBase):
             raise StateTypeError(
                 f"{where} has {', '.join(f'`{n}`' for n in gone)} set to None but "
                 f"still holds {kept}: its running statistics are kept all together "
-                "(track_running_stats=True) or not at all (False), as PyTorch's "
-                "BatchNorm refuses one of running_mean and running_var being None. "
+                "(track_running_stats=True) or not at all (False). PyTorch refuses "
+                "one of running_mean and running_var being None (and with "
+                "num_batches_tracked None and momentum=None it never updates them). "
                 "To normalise with batch statistics only, build it with "
                 "`BatchNorm(..., track_running_stats=False)` (or set all three to "
                 "None); otherwise put the cells back."

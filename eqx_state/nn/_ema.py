@@ -398,7 +398,7 @@ def _differences(expected: Any, got: Any, path: tuple) -> list[str]:
             a, b = getattr(expected, f.name, None), getattr(got, f.name, None)
             if not _same(a, b):
                 out.append(
-                    f"`model{jax.tree_util.keystr(path)}.{f.name}` is {b!r}, where "
+                    f"`{model_path(path)}.{f.name}` is {b!r}, where "
                     f"the EMA's model had {a!r}"
                 )
     mine, theirs = _children(expected), _children(got)
