@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -43,7 +43,23 @@ from ._sharding import (
 )
 
 
-class Step:
+class _Runner:
+    """What the compiled runners (`Step`, `Apply`) share: read-only after
+    construction (one message, `_read_only_message`)."""
+
+    _var: ClassVar[str]  # how the docs call an instance: `step`, `apply_fn`
+    _builder: ClassVar[str]  # the function that builds one: `make_step`, ...
+    _compiled: Compiled
+    _scan: Compiled
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ReadOnlyError(_read_only_message(self._var, self._builder, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise ReadOnlyError(_read_only_message(self._var, self._builder, name))
+
+
+class Step(_Runner):
     """A compiled training step; build it with [`eqx_state.make_step`][].
 
     Call it as `model, opt_state = step(model, opt_state, *args, **kwargs)` (with
@@ -62,8 +78,12 @@ class Step:
     data_axis: str
     layout: Layout
     microbatches: int | None
-    _compiled: Compiled
-    _scan: Compiled
+    _var, _builder = "step", "make_step"
+
+    @property
+    def trace_count(self) -> int:
+        """How often the step (and its `scan`) was traced (compiled)."""
+        return self._compiled.trace_count + self._scan.trace_count
 
     def __init__(
         self,
@@ -164,17 +184,6 @@ class Step:
         )
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_scan", scan)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise ReadOnlyError(_read_only_message("step", "make_step", name))
-
-    def __delattr__(self, name: str) -> None:
-        raise ReadOnlyError(_read_only_message("step", "make_step", name))
-
-    @property
-    def trace_count(self) -> int:
-        """How often the step (and its `scan`) was traced (compiled)."""
-        return self._compiled.trace_count + self._scan.trace_count
 
     def init(self, model: Any) -> optax.OptState:
         """The optimizer state for `model`'s trainable parameters.
@@ -467,16 +476,21 @@ def _read_only_message(var: str, builder: str, name: str) -> str:
     )
 
 
-class Apply:
+class Apply(_Runner):
     """A compiled state-writing call; build it with [`eqx_state.make_apply`][].
 
     Call it as `out, model = apply_fn(model, *args, **kwargs)`.
     `apply_fn.trace_count` counts how often it was traced (compiled).
     """
 
+    _var, _builder = "apply_fn", "make_apply"
+
+    @property
+    def trace_count(self) -> int:
+        """How often the call (and its `scan`) was traced (compiled)."""
+        return self._compiled.trace_count + self._scan.trace_count
+
     fn: Callable[..., Any]
-    _compiled: Compiled
-    _scan: Compiled
 
     def __init__(
         self,
@@ -517,17 +531,6 @@ class Apply:
         )
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_scan", scan)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise ReadOnlyError(_read_only_message("apply_fn", "make_apply", name))
-
-    def __delattr__(self, name: str) -> None:
-        raise ReadOnlyError(_read_only_message("apply_fn", "make_apply", name))
-
-    @property
-    def trace_count(self) -> int:
-        """How often the call (and its `scan`) was traced (compiled)."""
-        return self._compiled.trace_count + self._scan.trace_count
 
     def lower(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         """The compiled program that `apply_fn(model, *args, **kwargs)` runs, as a
