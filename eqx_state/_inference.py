@@ -154,9 +154,13 @@ def inference_mode(
 
         new = jax.tree_util.tree_map_with_path(one, part)
         if done != targets:  # an `inference` that is not a leaf (a static field)
+            root = "model" if where is None else "part"  # `where`'s part of it
+            names = ", ".join(f"`{root}{t}`" for t in sorted(targets - done))
             raise StateValueError(
                 "inference_mode: these `inference` fields are static (part of the "
-                f"module's structure), so they cannot be switched here: {sorted(targets - done)}. "
+                f"module's structure), so they cannot be switched here: {names}"
+                + ("" if where is None else " (`part`: what `where` selects)")
+                + ". "
                 "Make the field an ordinary (non-static) field, as Equinox's and "
                 "eqx_state's layers do."
             )

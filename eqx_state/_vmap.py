@@ -21,7 +21,7 @@ from ._buffer import (
 )
 from ._compat import is_batched, is_unmapped_ref_write, mapped_by_same_vmap
 from ._errors import StateError, StateValueError, StateWriteError, is_whole
-from ._modes import path_str
+from ._modes import model_path
 
 
 def mapped_axes() -> tuple[Hashable | None, ...]:
@@ -152,7 +152,7 @@ def vmap(
                 continue
             for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
                 shape = jnp.shape(leaf)
-                where = f"argument {i}" + (f" at {path_str(path)}" if path else "")
+                where = f"`{model_path(path, f'args[{i}]')}`"  # as the call got it
                 if not -len(shape) <= ax < len(shape):
                     has = (
                         f"has shape {shape}"

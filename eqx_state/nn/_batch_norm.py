@@ -406,14 +406,16 @@ class BatchNorm(_LayerBase):
         m = jnp.asarray(mask)
         if m.dtype != jnp.bool_:
             raise StateTypeError(
-                f"BatchNorm: mask must be boolean (True where an entry counts), got "
+                f"BatchNorm({self.num_features}){layer_path(self)}: mask must be "
+                "boolean (True where an entry counts), got "
                 f"{m.dtype}. E.g. `mask=lengths[:, None] > jnp.arange(T)`."
             )
         try:
             return jnp.broadcast_to(m, x.shape)
         except ValueError:
             raise StateValueError(
-                f"BatchNorm: a mask of shape {m.shape} does not broadcast to the input "
+                f"BatchNorm({self.num_features}){layer_path(self)}: a mask of shape "
+                f"{m.shape} does not broadcast to the input "
                 f"shape {x.shape}. Give one entry per example (shape [N] + [1] * "
                 f"{x.ndim - 1}, e.g. `mask[:, None]` for [N, C]), or the input's shape."
             ) from None

@@ -197,6 +197,29 @@ def test_selecting_nothing_is_an_error():
         es.inference_mode(Net(), only="BatchNorm")  # pyright: ignore
 
 
+class _StaticFlag(eqx.Module):
+    """A user's layer whose `inference` is static (part of the structure)."""
+
+    inference: bool = eqx.field(static=True, default=False)
+
+
+def test_a_static_inference_field_is_refused_by_its_path():
+    """A static `inference` is no leaf to switch; the error names it by the path
+    every message uses (`model...`), relative to `where`'s part when one is given,
+    and nothing is switched (the BatchNorm beside it included)."""
+    model = {"a": [_StaticFlag()], "bn": es.nn.BatchNorm(3)}
+    with pytest.raises(
+        es.EqxStateError, match=r"static.*`model\['a'\]\[0\]\.inference`"
+    ):
+        es.inference_mode(model)
+    with pytest.raises(
+        es.EqxStateError,
+        match=r"`part\[0\]\.inference` \(`part`: what `where` selects\)",
+    ):
+        es.inference_mode(model, where=lambda m: m["a"])
+    assert model["bn"].inference is False
+
+
 def test_a_numpy_bool_flag_gives_one_answer_on_every_path():
     """`es.inference_mode(model, flags[i])` with a NumPy array of flags reads the
     NumPy bool as the Python one, so every path runs the same program. A NumPy bool

@@ -273,15 +273,15 @@ def test_an_axis_an_argument_lacks_or_a_size_that_differs_is_refused():
     x = jnp.ones((4, 3))
     before = np.asarray(bn.running_mean[...])
     for kwargs, match in [
-        ({"in_axes": 5}, r"in_axes entry 0 is 5, but argument 0 has shape \(4, 3\)"),
+        ({"in_axes": 5}, r"in_axes entry 0 is 5, but `args\[0\]` has shape \(4, 3\)"),
         ({"in_axes": -3}, r"in_axes entry 0 is -3"),
-        ({"axis_size": 5}, r"argument 0 has 4 examples .* `axis_size` is 5"),
+        ({"axis_size": 5}, r"`args\[0\]` has 4 examples .* `axis_size` is 5"),
     ]:
         with pytest.raises(ValueError, match=match) as info:
             es.vmap(bn, axis_name="b", **kwargs)(x)
         assert isinstance(info.value, es.EqxStateError)
     f = es.vmap(lambda m, a, d: m(a + d["y"]), in_axes=(None, 0, 0), axis_name="b")
-    with pytest.raises(ValueError, match=r"argument 2 at y has 5 examples.*earlier"):
+    with pytest.raises(ValueError, match=r"`args\[2\]\['y'\]` has 5 examples.*earlier"):
         f(bn, x, {"y": jnp.ones((5, 3))})
     np.testing.assert_array_equal(bn.running_mean[...], before)  # nothing written
     # a negative axis in range maps as `jax.vmap` maps it
