@@ -331,7 +331,7 @@ def check_cell_dtype(
         "?",
     )
     raise StateTypeError(
-        f"{owner}{layer_path(layer)}: its `{field}` ({describe(buf)}) holds {dtype}, "
+        f"{owner}: its `{field}` ({describe(buf)}) holds {dtype}, "
         "but it keeps "
         f"this state in {name} dtype"
         + (f" of at least {min_bits} bits" if min_bits else "")

@@ -17,7 +17,6 @@ from .._buffer import (
     _LayerBase,
     check_cell_dtype,
     check_live,
-    layer_path,
 )
 from .._errors import (
     StateTypeError,
@@ -301,8 +300,9 @@ class BatchNorm(_LayerBase):
         return self.running_mean is not None
 
     def _check(self, x: Array) -> int:
-        # how errors name the layer: `BatchNorm(4) at `model.blocks[1].bn`` in a step
-        where = f"BatchNorm({self.num_features}){layer_path(self)}"
+        # how errors name the layer (inside a step or an apply `named_cells` adds
+        # its path: `In `model.blocks[1].bn` (BatchNorm): BatchNorm(4) got ...`)
+        where = f"BatchNorm({self.num_features})"
         refuse_non_array(where, x)
         for name in ("weight", "bias"):  # as a cell read checks its array
             check_live(getattr(self, name), f"{where} `{name}`")
@@ -356,7 +356,7 @@ class BatchNorm(_LayerBase):
         if not -x.ndim <= self.channel_axis < x.ndim:
             raise StateValueError(
                 f"BatchNorm({self.num_features}, channel_axis={self.channel_axis})"
-                f"{layer_path(self)} got an input of shape {x.shape}, which has no axis "
+                f" got an input of shape {x.shape}, which has no axis "
                 f"{self.channel_axis}. Inputs are laid out [N, C, ...] with "
                 "channel_axis=1 (PyTorch's layout), or channels-last with "
                 "channel_axis=-1; one example [C] (per-example code) needs "
@@ -406,7 +406,7 @@ class BatchNorm(_LayerBase):
         m = jnp.asarray(mask)
         if m.dtype != jnp.bool_:
             raise StateTypeError(
-                f"BatchNorm({self.num_features}){layer_path(self)}: mask must be "
+                f"BatchNorm({self.num_features}): mask must be "
                 "boolean (True where an entry counts), got "
                 f"{m.dtype}. E.g. `mask=lengths[:, None] > jnp.arange(T)`."
             )
@@ -414,7 +414,7 @@ class BatchNorm(_LayerBase):
             return jnp.broadcast_to(m, x.shape)
         except ValueError:
             raise StateValueError(
-                f"BatchNorm({self.num_features}){layer_path(self)}: a mask of shape "
+                f"BatchNorm({self.num_features}): a mask of shape "
                 f"{m.shape} does not broadcast to the input "
                 f"shape {x.shape}. Give one entry per example (shape [N] + [1] * "
                 f"{x.ndim - 1}, e.g. `mask[:, None]` for [N, C]), or the input's shape."
@@ -480,7 +480,7 @@ class BatchNorm(_LayerBase):
         if self._uses_batch_stats():
             if self.eps <= 0:  # as PyTorch: a constant channel would give NaN
                 raise StateValueError(
-                    f"BatchNorm({self.num_features}){layer_path(self)} normalises "
+                    f"BatchNorm({self.num_features}) normalises "
                     f"with batch statistics {self._why()} and has eps={self.eps}: a "
                     "channel whose values are all equal has variance 0 and would "
                     "normalise to NaN. Use eps > 0 (PyTorch refuses eps <= 0 in "

@@ -239,7 +239,7 @@ def test_a_cell_of_another_shape_is_named_by_its_path_inside_a_step():
     bad = eqx.tree_at(lambda m: m.bn.running_var.value, model, jnp.ones(5))
     with pytest.raises(
         ValueError,
-        match=r"BatchNorm\(3\) at `model\.bn`: its `running_var` has shape \(5,\)",
+        match=r"In `model\.bn` \(BatchNorm\): BatchNorm\(3\): its `running_var` has shape \(5,\)",
     ):
         step(bad, opt_state, jnp.ones((4, 3)))
     step(model, opt_state, jnp.ones((4, 3)))  # the model given is untouched

@@ -890,11 +890,13 @@ def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode, monkeypat
     step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
     x = jnp.ones((8, 3))
     with pytest.raises(
-        es.EqxStateError, match=r"BatchNorm\(5\) at `model\.layers\[2\]` got"
+        es.EqxStateError,
+        match=r"In `model\.layers\[2\]` \(BatchNorm\): BatchNorm\(5\) got",
     ):
         step(model, step.init(model), x)
     with pytest.raises(
-        es.EqxStateError, match=r"BatchNorm\(5\) at `model\.layers\[2\]` got"
+        es.EqxStateError,
+        match=r"In `model\.layers\[2\]` \(BatchNorm\): BatchNorm\(5\) got",
     ):
         es.apply(lambda m, x: m(x), model, x)
     # every check of the input names it: an integer input, a list, a scalar, complex
@@ -908,7 +910,8 @@ def test_a_wrong_input_inside_a_step_names_the_layer_by_its_path(mode, monkeypat
         two = eqx.nn.Sequential([*layers, eqx.nn.Lambda(bad), es.nn.BatchNorm(3)])
         two = es.to_refs(two) if mode == "ref" else two
         with pytest.raises(
-            es.EqxStateError, match=r"BatchNorm\(3\) at `model\.layers\[3\]`"
+            es.EqxStateError,
+            match=r"In `model\.layers\[3\]` \(BatchNorm\): BatchNorm\(3\)",
         ):
             step(two, step.init(two), jnp.ones((8, 3)))
         with pytest.raises(es.EqxStateError, match=kind):
@@ -946,7 +949,8 @@ def test_a_running_statistic_set_to_none_alone_is_refused_as_torch_refuses_it(
         assert isinstance(info.value, TypeError)
         assert "track_running_stats=False" in str(info.value)
     with pytest.raises(
-        es.EqxStateError, match=r"BatchNorm\(3\) at `model\.layers\[1\]` has"
+        es.EqxStateError,
+        match=r"In `model\.layers\[1\]` \(BatchNorm\): BatchNorm\(3\) has",
     ):
         step(model, step.init(model), x)
 
