@@ -53,10 +53,10 @@ class _Runner:
     _scan: Compiled
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise ReadOnlyError(_read_only_message(self._var, self._builder, name))
+        raise ReadOnlyError(_read_only_message(self, name))
 
     def __delattr__(self, name: str) -> None:
-        raise ReadOnlyError(_read_only_message(self._var, self._builder, name))
+        raise ReadOnlyError(_read_only_message(self, name))
 
 
 class Step(_Runner):
@@ -434,32 +434,17 @@ def trainable_params(model: Any, trainable: Any = None) -> Any:
     return eqx.filter(model, mask, is_leaf=is_state)
 
 
-# what each builder takes, by the name its runner shows it under
-_OPTIONS = {
-    "make_step": (
-        "loss_fn",
-        "optimizer",
-        "has_aux",
-        "return_loss",
-        "trainable",
-        "mesh",
-        "data_axis",
-        "layout",
-        "microbatches",
-    ),
-    "make_apply": ("fn",),
-}
-
-
-def _read_only_message(var: str, builder: str, name: str) -> str:
+def _read_only_message(runner: _Runner, name: str) -> str:
     """The one refusal of a change to a compiled runner (`Step`, `Apply`): what it
-    compiled was built from what `builder` was given, so a new value would be
-    shown but not used."""
+    compiled was built from what its builder was given, so a new value would be
+    shown but not used. Its options are its public annotated fields."""
+    var, builder = runner._var, runner._builder
+    options = [n for n in type(runner).__annotations__ if not n.startswith("_")]
     text = (
         f"`{var}.{name}` cannot be changed: the compiled call was built from what "
         f"`es.{builder}` was given, and would keep using it. Build a new one"
     )
-    if name.startswith("_") or name not in _OPTIONS[builder]:
+    if name not in options:
         return text + f" with `es.{builder}(...)`."
     text += (
         f" with `es.{builder}(new_fn, ...)`"
