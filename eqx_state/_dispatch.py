@@ -75,7 +75,14 @@ from ._errors import (
     stale_message,
     user_stacklevel,
 )
-from ._modes import _WITNESS_DTYPE, argument_name, model_path, shared_ref_message
+from ._modes import (
+    _WITNESS_DTYPE,
+    call_leaf_names,
+    call_path_name,
+    model_path,
+    named_call_leaves,
+    refuse_shared_refs,
+)
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -795,7 +802,7 @@ class Compiled:
         if not changing or self._warned_numbers:
             return
         self._warned_numbers = True
-        names = _leaf_names(sig.unflatten(leaves), changing)
+        names = call_leaf_names(sig.unflatten(leaves), changing)
         # The fix depends on where the number is: an array in the optimizer state
         # or an argument is a value; in the model, a bare array would be a
         # parameter, which the optimizer trains.
@@ -988,7 +995,7 @@ class Owned:
         self._released = False
         self._settings = _settings(carry)
         self._names = (
-            _leaf_names((carry, (), {}), [s[3] for s in self._settings])
+            call_leaf_names((carry, (), {}), [s[3] for s in self._settings])
             if self._settings
             else []
         )
@@ -1203,26 +1210,6 @@ def _leaf_path(carry: tuple, i: int) -> str:
     return path.removesuffix(".value")
 
 
-_ARGS = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(1))
-
-
-def _leaf_names(tree: tuple, positions: list[int]) -> list[str]:
-    """Readable names of some leaves of `(carry, args, kwargs)`: `opt_state...`,
-    `model...` for a step's carry, `args[i]...` / `kwargs[...]` for arguments."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [_call_path_name(tree, flat[j][0]) for j in positions]
-
-
-def _call_path_name(tree: tuple, path: tuple) -> str:
-    """A key path into `(carry, args, kwargs)`, named as the user wrote it."""
-    roots = ["model", "opt_state"] if len(tree[0]) == 2 else ["model"]
-    if path[0].idx == 0:  # the carry
-        head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"
-        return f"`{model_path(tuple(path[2:]), head)}`"
-    # the arguments: `(args, kwargs)` is the rest of the tree
-    return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
-
-
 def _comparable(value: Any) -> bool:
     """Whether JAX can compare a static value with `==` whatever it meets there:
     no array in it (a NumPy or JAX array, of any size: `==` with another value
@@ -1267,7 +1254,7 @@ def _static_fields_message(
                 if not _comparable(value):
                     where = (*path, jax.tree_util.GetAttrKey(f.name))
                     bad.append(
-                        f"{_call_path_name(tree, where)} ({type(value).__name__})"
+                        f"{call_path_name(tree, where)} ({type(value).__name__})"
                     )
         inner = jax.tree_util.tree_flatten_with_path(
             x, is_leaf=lambda y, x=x: y is not x and isinstance(y, eqx.Module)
@@ -1285,18 +1272,8 @@ def _static_fields_message(
 
 
 def _named(sig: _Signature, leaves: list, positions: list[int], shown: int = 3) -> str:
-    """The one way error messages list leaves of a call: by path (`model...`,
-    `opt_state...`, `args[i]...`; a cell by its own path, without `.value`), the
-    first `shown` of them and how many more."""
-    return _named_in(sig.unflatten(leaves), positions, shown)
-
-
-def _named_in(tree: tuple, positions: list[int], shown: int = 3) -> str:
-    """`_named` of the leaves of `(carry, args, kwargs)` at `positions`."""
-    names = _leaf_names(tree, positions[:shown])
-    names = [n.replace(".value`", "`") for n in names]
-    more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
-    return f"{', '.join(names)}{more}"
+    """`named_call_leaves` of a call's leaves at `positions`."""
+    return named_call_leaves(sig.unflatten(leaves), positions, shown)
 
 
 def _local_batch_message(x: Any, sharding: Any) -> str:
@@ -1325,7 +1302,7 @@ def _refuse_escaped(
     n = len(carry_leaves)
     tree = (carry_td.unflatten(leaves[:n]), *arg_td.unflatten(leaves[n:]))
     escaped = [i for i, x in enumerate(leaves) if isinstance(x, Tracer)]
-    what = f"leaf {_named_in(tree, escaped[:1])}" + (
+    what = f"leaf {named_call_leaves(tree, escaped[:1])}" + (
         f" (one of {len(escaped)} such leaves)" if len(escaped) > 1 else ""
     )
     first = leaves[escaped[0]]
@@ -1340,17 +1317,10 @@ def _refuse_escaped(
 
 
 def _refuse_shared_refs(sig: _Signature, leaves: list) -> None:
-    """One ref at two places of `(carry, args, kwargs)`: in the model (two cells),
-    or in the model and an argument (a cell's ref, or the whole model, passed
-    again). Named by their paths (`model...`, `args[i]...`)."""
+    """One ref at two places of `(carry, args, kwargs)` (see `refuse_shared_refs`)."""
     n_model = sig.carry_treedef.children()[0].num_leaves
-    seen: dict[int, int] = {}
-    for i in sorted((*sig.ref_idx, *sig.refbuf_idx)):
-        j = seen.setdefault(id(leaves[i]), i)
-        if j != i:
-            first, here = _named(sig, leaves, [j]), _named(sig, leaves, [i])
-            where = "model" if i < n_model else "carry" if j < sig.n_carry else "args"
-            raise StateError(shared_ref_message(first, here, where))
+    refs = (*sig.ref_idx, *sig.refbuf_idx)
+    refuse_shared_refs(sig.unflatten(leaves), leaves, refs, n_model, sig.n_carry)
 
 
 def _reraise(e: Exception, dyn: list, sig: _Signature, leaves: list) -> None:
@@ -1421,7 +1391,7 @@ def check_carry_live(carry: tuple) -> None:
     deleted = [i for i, x in enumerate(leaves) if is_consumed(x)]
     if deleted:
         n_model = len(jax.tree_util.tree_leaves(carry[0]))
-        where = _named_in((carry, (), {}), deleted)
+        where = named_call_leaves((carry, (), {}), deleted)
         raise _stale_carry(where, {i < n_model for i in deleted})
 
 
@@ -1488,7 +1458,7 @@ def _unhashable_message(carry: Any, args: Any, kwargs: Any) -> str:
                 hash(leaf)
             except TypeError:
                 bad.append(j)
-    names = _leaf_names(tree, bad[:5])  # by path, as every message names leaves
+    names = call_leaf_names(tree, bad[:5])  # by path, as every message names leaves
     listed = [f"{n} ({type(leaves[j]).__name__})" for n, j in zip(names, bad)]
     return (
         "Leaves that are not arrays are static (part of the compilation key, as in "

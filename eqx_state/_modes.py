@@ -13,6 +13,7 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -55,7 +56,7 @@ def model_path(path: tuple, root: str = "model") -> str:
     """The one way messages name a place in a model: as Python reaches it from
     `root`, `model.blocks[0].bn.running_mean`, `model.d['head 1']` (unambiguous
     for dict keys holding dots or spaces, and pasteable). Every runner names a
-    model's leaves so (`_dispatch._call_path_name` adds `opt_state`, `args[i]`)."""
+    model's leaves so (`call_path_name` adds `opt_state`, `args[i]`)."""
     return root + jax.tree_util.keystr(path)
 
 
@@ -215,6 +216,36 @@ def argument_name(path: tuple) -> str:
     return head + jax.tree_util.keystr(tuple(path[1:]))
 
 
+_ARGS = (jax.tree_util.SequenceKey(0), jax.tree_util.SequenceKey(1))
+
+
+def call_path_name(tree: tuple, path: tuple) -> str:
+    """A key path into a call's `(carry, args, kwargs)`, named as the user wrote it:
+    `model...` and `opt_state...` for a step's carry (`model...` alone for an
+    apply's), `args[i]...` / `kwargs[...]` for the arguments."""
+    roots = ["model", "opt_state"] if len(tree[0]) == 2 else ["model"]
+    if path[0].idx == 0:  # the carry
+        head = roots[path[1].idx] if path[1].idx < len(roots) else "carry"
+        return f"`{model_path(tuple(path[2:]), head)}`"
+    # the arguments: `(args, kwargs)` is the rest of the tree
+    return f"`{argument_name((_ARGS[path[0].idx - 1], *path[1:]))}`"
+
+
+def call_leaf_names(tree: tuple, positions: Sequence[int]) -> list[str]:
+    """`call_path_name` of the leaves of `(carry, args, kwargs)` at `positions`."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [call_path_name(tree, flat[j][0]) for j in positions]
+
+
+def named_call_leaves(tree: tuple, positions: Sequence[int], shown: int = 3) -> str:
+    """The one way messages list leaves of a call: by path (a cell by its own path,
+    without `.value`), the first `shown` of them and how many more."""
+    names = call_leaf_names(tree, positions[:shown])
+    names = [n.replace(".value`", "`") for n in names]
+    more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
+    return f"{', '.join(names)}{more}"
+
+
 def _rebuild(buf: Buffer, **fields: Any) -> Buffer:
     """`buf` with some fields replaced, without running `__init__` (as unflattening
     does), so that any `Buffer` subclass works."""
@@ -281,15 +312,33 @@ def with_witnesses(tree: Any) -> Any:
 
 def check_no_shared_refs(tree: Any) -> None:
     """Refuse a tree in which one ref sits at two positions (see the module
-    docstring). Refs are mutable objects: their identity is what makes two positions
-    one state, so that is what is compared here."""
-    seen: dict[int, str] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
-        if is_state(leaf) and _is_ref(leaf.value):
-            here = model_path(path)
-            first = seen.setdefault(id(leaf.value), here)  # identity of a ref
-            if first != here:
-                raise StateError(shared_ref_message(f"`{first}`", f"`{here}`"))
+    docstring): `refuse_shared_refs` on the tree alone."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    refs = [i for i, x in enumerate(leaves) if _is_ref(x)]
+    if len(refs) > 1:
+        wrapped = ((tree,), (), {})
+        refuse_shared_refs(wrapped, leaves, refs, len(leaves), len(leaves))
+
+
+def refuse_shared_refs(
+    tree: tuple, leaves: list, refs: Sequence[int], n_model: int, n_carry: int
+) -> None:
+    """The one check that a ref sits at one place of a call's `(carry, args,
+    kwargs)` (`tree`, whose leaves are `leaves`; `refs`: the positions of the refs
+    among them; the model's leaves come first, `n_model` of them, then the rest of
+    the carry, up to `n_carry`). Every runner runs it (the compiled ones, `es.apply`,
+    and `es.freeze` / `es.to_refs` / the checkpoints on a model alone): one ref at
+    two places of the model (two cells), in the model and an argument (a cell's ref
+    passed again), or in two arguments, named by their paths. Refs are mutable
+    objects: their identity is what makes two places one state, so that is what is
+    compared here."""
+    seen: dict[int, int] = {}
+    for i in sorted(refs):
+        j = seen.setdefault(id(leaves[i]), i)  # identity of a ref
+        if j != i:
+            first, here = named_call_leaves(tree, [j]), named_call_leaves(tree, [i])
+            where = "model" if i < n_model else "carry" if j < n_carry else "args"
+            raise StateError(shared_ref_message(first, here, where))
 
 
 def shared_ref_message(first: str, here: str, where: str = "model") -> str:
@@ -298,9 +347,10 @@ def shared_ref_message(first: str, here: str, where: str = "model") -> str:
     argument (`"carry"`), or in two arguments (`"args"`)."""
     if where == "args":
         return (
-            f"The same ref is passed at two places: {first} and {here}. A compiled "
-            "call takes each ref once (JAX refuses a mutable array passed twice): "
-            "pass it once and use it at both places inside the function."
+            f"The same ref is passed at two places: {first} and {here}. A call "
+            "takes each ref once (a compiled call cannot take a mutable array "
+            "twice, and every runner refuses it alike): pass it once and use it at "
+            "both places inside the function."
         )
     if where == "carry":
         return (

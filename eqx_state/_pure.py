@@ -32,6 +32,7 @@ from ._modes import (
     check_tree_live,
     model_path,
     refreeze,
+    refuse_shared_refs,
     thaw,
     without_witnesses,
 )
@@ -115,11 +116,25 @@ def apply_call(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict) ->
     # before `fn` writes anything: a ref-mode model consumed by a step still holds
     # live refs (the new model's), beside parameters that were donated
     check_tree_live(model)
+    _check_refs_once(model, args, kwargs)
     thawed, made, paths = thaw(model)
     with named_cells(paths), _cond_note():
         out = fn(thawed, *args, **kwargs)
     refuse_cells_out(out, thawed, "`apply(fn, model, ...)`: `fn`'s output")
     return out, refreeze(thawed, made)
+
+
+def _check_refs_once(model: Any, args: tuple, kwargs: dict) -> None:
+    """A ref at two places of the call, refused as the compiled runners refuse it
+    (`refuse_shared_refs`): eager, one ref at two places would be one state, while
+    the same call compiled (`make_apply`, or `eqx.filter_jit` around `es.apply`)
+    cannot take it twice. So every runner gives one answer."""
+    tree = ((model,), args, kwargs)
+    leaves = jax.tree_util.tree_leaves(tree)
+    refs = [i for i, x in enumerate(leaves) if _is_ref(x)]
+    if len(refs) > 1:
+        n_model = len(jax.tree_util.tree_leaves(model))
+        refuse_shared_refs(tree, leaves, refs, n_model, n_model)
 
 
 def refuse_cells_out(out: Any, thawed: Any, what: str) -> None:

@@ -67,7 +67,10 @@ class EMA(_LayerBase):
     under `module.` (named by the rules of the model the `EMA` was built from), so
     [`eqx_state.load_state_dict`][] continues a PyTorch run where it stopped. With
     `zero_debias=True`, `module.*` is the debiased average (the average PyTorch
-    would hold).
+    would hold); before the first update there is no average and it is zeros, where
+    `AveragedModel` holds the copy of the model it was built from (which its first
+    `update_parameters` overwrites): evaluate with `averaged(model)`, which returns
+    `model` then.
 
     Read the result with `averaged(model)` (the model with averaged parameters,
     for evaluation: the functional form of PyTorch's swap) or `average` (just the

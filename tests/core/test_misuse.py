@@ -719,20 +719,29 @@ def test_freeze_inside_jit_snapshots_the_state():
 # ------------------------------------------ the same ref-mode model twice in a call
 
 
-def test_same_ref_model_twice_is_one_state_written_twice():
-    # Decided: the same ref-mode model reachable twice in one call is one state;
-    # each use writes it, as calling a PyTorch module twice does.
+def test_same_ref_model_twice_is_one_state_under_filter_jit_and_refused_by_apply():
+    # The same ref-mode model reachable twice in a plain `eqx.filter_jit` call is one
+    # state; each use writes it, as calling a PyTorch module twice does. `es.apply`
+    # refuses it (the model passed again as an argument), as the compiled runners
+    # do, naming both places: every runner gives one answer.
     x = jnp.arange(12.0).reshape(4, 3)
     ref = es.to_refs(es.nn.BatchNorm(3))
     eqx.filter_jit(lambda a, b: a(x) + b(x))(ref, ref)
-    ref2 = es.to_refs(es.nn.BatchNorm(3))
-    es.apply(lambda a, b: a(x) + b(x), ref2, ref2)
     want = es.to_refs(es.nn.BatchNorm(3))
     want(x)
     want(x)
-    for m in (ref, ref2):
-        assert int(m.num_batches_tracked[...]) == 2
-        np.testing.assert_allclose(m.running_var[...], want.running_var[...])
+    assert int(ref.num_batches_tracked[...]) == 2
+    np.testing.assert_allclose(ref.running_var[...], want.running_var[...])
+    ref2 = es.to_refs(es.nn.BatchNorm(3))
+    for call in (
+        lambda: es.apply(lambda a, b: a(x) + b(x), ref2, ref2),
+        lambda: es.make_apply(lambda a, b: a(x) + b(x))(ref2, ref2),
+    ):
+        with pytest.raises(
+            es.StateError, match=r"`model.running_mean` and `args\[0\].running_mean`"
+        ):
+            call()
+    assert int(ref2.num_batches_tracked[...]) == 0
 
 
 def test_same_ref_model_twice_as_jit_arguments_is_refused():

@@ -628,6 +628,44 @@ def test_a_cell_of_the_model_passed_as_an_argument_is_refused_by_name(runner):
     assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
 
 
+@pytest.mark.parametrize(
+    "runner", ["apply", "make_apply", "make_apply.scan", "filter_jit(apply)"]
+)
+def test_one_ref_at_two_places_is_refused_alike_by_the_forward_runners(runner):
+    """Eager `es.apply` ran a call whose ref sat at two places (the model's ref
+    passed again as an argument, or one ref as two arguments) as one state, which
+    every compiled runner refuses: now the same error, naming both places, before
+    anything runs."""
+    model = es.to_refs(Net(jax.random.key(0)))
+    xs, _ = data()
+
+    def forward(m, x, a, b):
+        return m(x).sum() + a[...].sum() + b[...].sum()
+
+    calls = {
+        "apply": lambda *a: es.apply(forward, *a),
+        "make_apply": es.make_apply(forward),
+        "make_apply.scan": lambda m, x, a, b: es.make_apply(forward).scan(
+            m, x[None], a, b
+        ),
+        "filter_jit(apply)": eqx.filter_jit(lambda *a: es.apply(forward, *a)),
+    }
+    mean = model.bn.running_mean
+    other = es.to_refs(es.metrics.Mean()).total
+    cases = [
+        ((mean, other), r"`model\.bn\.running_mean` and `args\[1\]`.*as an argument"),
+        ((other, mean.value), r"`model\.bn\.running_mean` and `args\[2\]`"),
+        ((other, other), r"`args\[1\]` and `args\[2\]`.*takes each ref once"),
+    ]
+    for (a, b), message in cases:
+        with pytest.raises(es.StateError, match=message):
+            calls[runner](model, xs[0], a, b)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+    twice = [model, model]  # one ref at two places of the model itself
+    with pytest.raises(es.StateError, match=r"at two places of the model: `model\[0\]"):
+        calls[runner](twice, xs[0], other, mean)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_a_stale_model_is_refused_by_every_runner(runner, mode):
