@@ -373,11 +373,11 @@ def is_consumed(x: Any) -> bool:
     )
 
 
-def check_live(x: Any, what: str) -> None:
+def check_live(x: Any, what: str, where: str | None = None) -> None:
     """The one check that `x` (an array or a ref) was not consumed by donation:
-    `StaleModelError` naming `what` if it was."""
+    `StaleModelError` naming `what` (and the leaf's path, `where`) if it was."""
     if is_consumed(x):
-        raise StaleModelError(stale_message(what))
+        raise StaleModelError(stale_message(what, where))
 
 
 def _check_ref(buf: Buffer) -> None:
@@ -434,7 +434,7 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
             "first so that layers do not write state."
         )
     _check_ref(buf)
-    new = _cast_for(buf, jnp.asarray(new))
+    new = _cast_for(buf, _write_value(buf, new))
     if idx is Ellipsis:
         if tuple(new.shape) != tuple(cell.shape):
             raise StateWriteError(
@@ -690,6 +690,73 @@ def _index_repr(idx: Any) -> str:
     return ", ".join(map(one, parts))
 
 
+def _write_value(buf: Buffer, new: Any) -> Any:
+    """The value a write gives, as a JAX array (`host_value`), or an error naming
+    the cell."""
+    dtype = buf.value.dtype
+    return host_value(
+        new,
+        f"A write into the {describe(buf)}",
+        f"A cell takes an array (or a number) of its dtype {dtype}, in its range.",
+        StateWriteError,
+    )
+
+
+def host_value(
+    x: Any,
+    what: str,
+    wants: str,
+    error: type[Exception],
+    type_error: type[Exception] | None = None,
+) -> jax.Array:
+    """`x` as a JAX array (a JAX array or tracer as it is), or an error saying `what`
+    got it and what it `wants`: `type_error` (default `error`) for a value that is
+    not numeric (None, a string), `error` for a host value (a Python or NumPy number or array) that JAX's conversion
+    would change, not just round: with 64-bit types off JAX keeps NumPy's 64-bit
+    values in 32 bits, wrapping an integer that does not fit (`np.int64(2**33 + 5)`
+    becomes 5) and turning a float beyond float32's range into `inf`. The one
+    conversion of user values that state is written from (cell writes,
+    `KVCache.truncate`)."""
+    if isinstance(x, jax.Array | Tracer) or _is_ref(x):
+        return x
+    try:
+        host = np.asarray(x)
+    except Exception as e:  # a ragged list, an object refusing conversion
+        raise (type_error or error)(
+            f"{what} got {x!r:.80}, which is not an array: {e}. {wants}"
+        ) from e
+    if host.dtype.kind not in "biufcV":
+        raise (type_error or error)(
+            f"{what} got {x!r:.80}: it is not a number or an array of numbers (or "
+            f"not one JAX holds: a Python int beyond 64 bits). {wants}"
+        )
+    kept = jax.dtypes.canonicalize_dtype(host.dtype)
+    if kept != host.dtype and host.dtype.kind in "iuf":
+        with np.errstate(over="ignore", invalid="ignore"):
+            narrowed = host.astype(kept)
+        if host.dtype.kind == "f":
+            changed = bool(np.any(np.isfinite(host) & ~np.isfinite(narrowed)))
+        else:
+            changed = not np.array_equal(narrowed.astype(host.dtype), host)
+        if changed:
+            given = (
+                "a Python number"
+                if isinstance(x, int | float)
+                else f"a value of dtype {host.dtype.name}"
+            )
+            raise error(
+                f"{what} got {given} that does not fit {kept.name}, the "
+                "type JAX keeps it in (64-bit types are off): it would become "
+                + (
+                    "another number (wrapped around)"
+                    if host.dtype.kind in "iu"
+                    else "inf"
+                )
+                + f". {wants}"
+            )
+    return jnp.asarray(x)
+
+
 def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
     """`new` in the cell's dtype, if that loses nothing; otherwise an error.
 
@@ -702,6 +769,8 @@ def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
     if new.dtype == dtype:
         return new
     weak = bool(getattr(new, "weak_type", False))
+    if not weak and _exact_widening(new.dtype, dtype):
+        return new.astype(dtype)  # (bfloat16 into float32, int8 into int32)
     if weak and _same_kind_or_wider(new.dtype, dtype):
         if not isinstance(new, Tracer) and jnp.issubdtype(dtype, jnp.integer):
             exact = np.asarray(new).astype(dtype).astype(new.dtype)
@@ -714,7 +783,8 @@ def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
     raise StateWriteError(
         f"Cannot write a value of dtype {new.dtype}{' (weakly typed)' if weak else ''} "
         f"into the {describe(buf)} of dtype {dtype}: state cells keep their dtype, "
-        "and this cast would lose information or change the kind of number. Cast "
+        "and this cast could lose information or changes the kind of number (a "
+        "cell takes its dtype, or a narrower one of the same kind). Cast "
         "explicitly if that is what you mean, e.g. `buf[...] = value.astype(buf.dtype)`"
         + (
             " (arithmetic with a Python float makes a float, e.g. `count + 0.5`)."
@@ -722,6 +792,23 @@ def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
             else "."
         )
     )
+
+
+def _exact_widening(src: Any, dst: Any) -> bool:
+    """Whether every value of dtype `src` is exactly a value of `dst`, of the same
+    kind of number: a float into a float with as many exponent and mantissa bits
+    (bfloat16 or float16 into float32), an integer into one whose range holds its
+    range (int8 into int32, uint8 into int16), complex into wider complex."""
+    if any(jax.dtypes.issubdtype(t, jax.dtypes.extended) for t in (src, dst)):
+        return False  # typed PRNG keys: only their own dtype
+    for kind in (jnp.complexfloating, jnp.floating):
+        if jnp.issubdtype(src, kind) and jnp.issubdtype(dst, kind):
+            s, d = jnp.finfo(src), jnp.finfo(dst)
+            return s.nexp <= d.nexp and s.nmant <= d.nmant
+    if jnp.issubdtype(src, jnp.integer) and jnp.issubdtype(dst, jnp.integer):
+        s, d = jnp.iinfo(src), jnp.iinfo(dst)
+        return d.min <= s.min and s.max <= d.max
+    return False
 
 
 _KIND_ORDER = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}

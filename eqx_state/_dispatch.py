@@ -1380,7 +1380,7 @@ def _stale_carry(where: str, owners: set[bool]) -> StaleModelError:
     what = " and ".join(
         w for w, own in (("model", True), ("optimizer state", False)) if own in owners
     )
-    return StaleModelError(f"{stale_message(what)} Consumed: {where}.")
+    return StaleModelError(stale_message(what, where))
 
 
 def check_carry_live(carry: tuple) -> None:

@@ -57,8 +57,10 @@ def warn_deprecated(old: str, new: str) -> None:
         )
 
 
-def stale_message(what: str) -> str:
-    """The one message for a model (or optimizer state) consumed by donation."""
+def stale_message(what: str, where: str | None = None) -> str:
+    """The one message for a model (or optimizer state, or a cell) consumed by
+    donation; `where`: the consumed leaves, by path (`model.lin.weight`)."""
+    consumed = f" Consumed: {where}." if where else ""
     return (
         f"The {what} holds an array that was consumed (its buffer donated and "
         "deleted) by an earlier call: `make_step` and `make_apply` donate the "
@@ -69,7 +71,7 @@ def stale_message(what: str) -> str:
         "returned, or build the step with `make_step(..., donate=False)` / "
         "`make_apply(..., donate=False)` to keep old models valid. An owned loop "
         "(`loop = step.own(model, opt_state)`) takes its model and state over: get "
-        "them back with `model, opt_state = loop.release()`."
+        "them back with `model, opt_state = loop.release()`." + consumed
     )
 
 

@@ -206,7 +206,7 @@ def check_tree_live(tree: Any) -> None:
     first read of a parameter: `es.apply`, `es.reset`, `es.inference_mode`,
     `es.to_refs`, `es.freeze`."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        check_live(leaf, f"model's leaf `{model_path(path)}`")
+        check_live(leaf, "model", f"`{model_path(path)}`")
 
 
 def argument_name(path: tuple) -> str:

@@ -4,9 +4,10 @@ imported here (it is an optional extra); these functions only shape the trees.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._checkpoint import (
@@ -275,7 +276,17 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         value = np.asarray(got).item()
         return _python_leaf(value, like, _where(path), "the Orbax checkpoint")
     _check_restored(path, like, got)
-    if isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
+    if isinstance(got, np.ndarray | np.generic) and isinstance(
+        like, jax.Array | jax.Ref
+    ):
+        # NumPy data where the model holds a JAX array or a ref (restored without a
+        # target, or by a handler that gives NumPy): the JAX array it stands for
+        exact = _exact_cast(path, np.asarray(got), like.dtype)
+        on_device = isinstance(like, jax.Array) and not (
+            isinstance(like, Tracer) or like.is_deleted()
+        )
+        got = jax.device_put(exact, like.sharding) if on_device else jnp.asarray(exact)
+    elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too
         return _numpy_leaf(np.asarray(got), like)
@@ -285,8 +296,31 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         if like.is_deleted():
             return got
     if getattr(like, "weak_type", False) and not getattr(got, "weak_type", False):
-        return _make_weak(got)
+        return _make_weak(cast(jax.Array, got))
     return got
+
+
+def _exact_cast(path: Any, got: np.ndarray, dtype: Any) -> np.ndarray:
+    """`got` in `dtype` (a 64-bit NumPy array where `like` holds JAX's 32-bit
+    canonical type), or a `CheckpointError` when a value would change: an integer
+    beyond the narrower range (it would wrap around), a float it does not hold
+    exactly (the array was not saved from this `like`)."""
+    if got.dtype == dtype:
+        return got
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrowed = got.astype(dtype)
+    same = narrowed.astype(got.dtype) == got
+    if got.dtype.kind in "fc":
+        same |= np.isnan(got) & np.isnan(narrowed)
+    if not np.all(same):
+        raise CheckpointError(
+            f"At {_where(path)} the Orbax checkpoint holds {got.dtype} values that "
+            f"{np.dtype(dtype).name}, the dtype `like` holds there, does not hold "
+            "exactly: the array was "
+            "not saved from a model like `like`. Restore into a `like` of the saved "
+            "dtype, or cast the restored tree yourself."
+        )
+    return narrowed
 
 
 def _check_restored(path: Any, like: Any, got: Any) -> None:

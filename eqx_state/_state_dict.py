@@ -58,11 +58,11 @@ class IncompatibleKeys(NamedTuple):
 
 def _stale(name: str, e: Exception | None = None) -> StaleModelError:
     detail = f"\n{e}" if e is not None else ""
-    return StaleModelError(stale_message(f"model's `{name}`") + detail)
+    return StaleModelError(stale_message("model", f"`{name}`") + detail)
 
 
 def _check_live(x: Any, name: str) -> None:
-    check_live(x, f"model's `{name}`")
+    check_live(x, "model", f"`{name}`")
 
 
 def _check_module(module: Any, name: str) -> None:

@@ -67,7 +67,7 @@ def step_count(opt_state: Any) -> jax.Array:
     """
     leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
     for path, leaf in leaves:
-        check_live(leaf, f"optimizer state's leaf `{model_path(path, 'opt_state')}`")
+        check_live(leaf, "optimizer state", f"`{model_path(path, 'opt_state')}`")
     multi = [
         x
         for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_multi_steps)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, Num
 
-from .._buffer import Cache, _LayerBase
+from .._buffer import Cache, _LayerBase, host_value
 from .._compat import Tracer, differentiation_trace, unbatched
 from .._errors import (
     StateTypeError,
@@ -346,7 +346,13 @@ class KVCache(_LayerBase):
         cursor.
         """
         cursor = self.cursor[...]
-        length = jnp.asarray(length)
+        length = host_value(
+            length,
+            "KVCache.truncate",
+            "Give the new length: a whole number between 0 and the current cursor.",
+            StateWriteError,
+            StateTypeError,
+        )
         if length.ndim and not _broadcasts(length.shape, cursor.shape):
             held = (
                 f"a batch of {cursor.shape[0]} sequences (built with `batch_size="

@@ -375,3 +375,86 @@ def test_apply_is_pure_in_value_mode_and_jits():
     n1b, _ = run(counter)  # the old model is a valid snapshot
     assert (int(n1), int(n2), int(n1b)) == (1, 2, 1)
     assert int(counter.value) == 0
+
+
+# -- host values a write converts ---------------------------------------------------
+
+
+def _write_both_modes(cell, value):
+    """Write `value` into `cell` eagerly in ref mode and inside `es.apply` in value
+    mode; return the two cells' values afterwards (or raise)."""
+    ref = es.to_refs(cell)
+    ref[...] = value
+    _, written = es.apply(lambda c: c.__setitem__(..., value), cell)
+    return ref[...], written[...]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.int64(2**33 + 5), np.array(2**31, np.int64), 2**40, np.uint64(2**32)],
+    ids=["np.int64", "array", "python-int", "np.uint64"],
+)
+def test_an_integer_that_does_not_fit_the_cell_is_refused_not_wrapped(value):
+    """With 64-bit types off JAX keeps a NumPy int64 in int32, wrapping it (NumPy's
+    own cast shows what was written: `np.int64(2**33 + 5)` became 5); now refused,
+    naming the cell, in both modes, and the cell keeps its value."""
+    assert np.int64(2**33 + 5).astype(np.int32) == 5  # the wrap that was written
+    cell = es.CounterState(jnp.int32(3))
+    ref = es.to_refs(cell)
+    with pytest.raises(
+        es.StateWriteError, match=r"CounterState cell.*does not fit u?int32"
+    ):
+        ref[...] = value
+    assert int(ref[...]) == 3
+    with pytest.raises(es.StateWriteError, match="does not fit u?int32"):
+        es.apply(lambda c: c.__setitem__(..., value), cell)
+
+
+def test_a_float_beyond_float32_is_refused_not_made_inf():
+    cell = es.BatchStat(jnp.zeros(2))
+    for value in (np.array([1e300, 1.0]), 1e300):
+        with pytest.raises(es.StateWriteError, match="does not fit float32.*inf"):
+            _write_both_modes(cell, value)
+    # an infinity given is written (nothing is changed by the conversion)
+    for got in _write_both_modes(cell, np.array([np.inf, 1.0])):
+        np.testing.assert_array_equal(got, np.array([np.inf, 1.0], np.float32))
+
+
+def test_host_values_that_fit_are_written_as_numpy_converts_them():
+    for got in _write_both_modes(es.CounterState(jnp.int32(0)), np.int64(-7)):
+        assert got.dtype == jnp.int32 and int(got) == -7
+    x = np.array([0.1, 2.5e38], np.float64)  # rounded to float32, not refused
+    for got in _write_both_modes(es.BatchStat(jnp.zeros(2)), x):
+        np.testing.assert_array_equal(got, x.astype(np.float32))
+
+
+@pytest.mark.parametrize("value", [None, "abc", [1.0, [2.0]], object()])
+def test_a_value_that_is_not_numeric_is_refused_by_name(value):
+    cell = es.to_refs(es.BatchStat(jnp.zeros(2)))
+    with pytest.raises(es.StateWriteError, match="A write into the BatchStat cell"):
+        cell[...] = value
+
+
+def test_an_exact_widening_is_written_and_a_narrowing_refused():
+    """A strongly-typed value of a narrower type of the same kind loses nothing
+    (bfloat16 or float16 into float32, int8 into int32): written, equal to
+    NumPy's float32 / int32 conversion of the same values. uint32 into int32, bool
+    into int32 and bfloat16 into float16 (fewer exponent bits) are refused."""
+    f32 = es.BatchStat(jnp.zeros(3))
+    for dt in (jnp.bfloat16, jnp.float16):
+        v = jnp.asarray([1.5, -2.25, 3e3], dt)
+        for got in _write_both_modes(f32, v):
+            assert got.dtype == jnp.float32
+            np.testing.assert_array_equal(got, np.asarray(v).astype(np.float32))
+    i32 = es.Buffer(jnp.zeros(3, jnp.int32))
+    for got in _write_both_modes(i32, jnp.asarray([-128, 0, 127], jnp.int8)):
+        np.testing.assert_array_equal(got, np.array([-128, 0, 127], np.int32))
+    refused = [
+        (i32, jnp.asarray([1, 2, 3], jnp.uint32)),
+        (i32, jnp.ones(3, bool)),
+        (es.Buffer(jnp.zeros(3, jnp.float16)), jnp.ones(3, jnp.bfloat16)),
+        (f32, jnp.ones(3, jnp.int32)),
+    ]
+    for cell, v in refused:
+        with pytest.raises(es.StateWriteError, match="state cells keep their dtype"):
+            _write_both_modes(cell, v)

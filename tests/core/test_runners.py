@@ -11,6 +11,7 @@ statistics, the key stream, the metric and the average threaded by hand)."""
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 
 import equinox as eqx
@@ -667,16 +668,36 @@ def test_one_ref_at_two_places_is_refused_alike_by_the_forward_runners(runner):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize(
+    "runner", [*RUNNERS, "apply", "make_apply", "make_apply.scan", "init", "freeze"]
+)
 def test_a_stale_model_is_refused_by_every_runner(runner, mode):
+    """One message, naming the consumed leaves by path, from every runner and
+    every entry point that takes a model (`step.init`, `es.apply`, `es.freeze`:
+    they said "The model's leaf `...` holds ..." where the runners said "The model
+    holds ... Consumed: `...`")."""
     model = Net(jax.random.key(0))
     model = es.to_refs(model) if mode == "ref" else model
     step = es.make_step(loss_fn, optax.sgd(0.1))
     opt_state = step.init(model)
     xs, ys = data()
     step(model, opt_state, xs[0], ys[0])  # consumes the arrays given to it
-    with pytest.raises(es.StaleModelError):
-        first_call(runner, step, model, opt_state, xs, ys)
+    apply = es.make_apply(forward)
+    calls = {
+        "apply": lambda: es.apply(forward, model, xs[0]),
+        "make_apply": lambda: apply(model, xs[0]),
+        "make_apply.scan": lambda: apply.scan(model, xs),
+        "init": lambda: step.init(model),
+        "freeze": lambda: es.freeze(model),
+    }
+    with pytest.raises(es.StaleModelError) as caught:
+        if runner in calls:
+            calls[runner]()
+        else:
+            first_call(runner, step, model, opt_state, xs, ys)
+    message = str(caught.value)
+    assert message.startswith("The model holds an array that was consumed"), message
+    assert re.search(r"Consumed: `model\.(lin1|bn|lin2|drop|ema|seen)", message)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -844,7 +865,8 @@ def test_every_conversion_refuses_a_consumed_model_alike(mode):
     # state for a dead model; on a mesh it raised JAX's "Array has been deleted"
     for convert in (es.freeze, es.to_refs, es.reset, es.inference_mode, step.init):
         with pytest.raises(
-            es.StaleModelError, match=r"leaf `model\.lin1\.layer\.weight`"
+            es.StaleModelError,
+            match=r"^The model holds.*Consumed: `model\.lin1\.layer\.weight`",
         ):
             convert(model)
 

@@ -466,7 +466,8 @@ def test_step_count_of_a_consumed_state_raises_stale(make_opt):
     model, new_state = step(model, opt_state, xs[0], ys[0])
     with pytest.raises(es.StaleModelError, match="donate=False") as info:
         es.step_count(opt_state)
-    assert "optimizer state's leaf `" in str(info.value)
+    assert "The optimizer state holds an array" in str(info.value)
+    assert "Consumed: `opt_state" in str(info.value)
     _, newer = step(model, new_state, xs[1], ys[1])
     want = 1 if isinstance(newer, optax.MultiStepsState) else 2
     assert int(es.step_count(newer)) == want

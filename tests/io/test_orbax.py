@@ -323,6 +323,40 @@ def test_from_orbax_refuses_what_does_not_have_like_s_shape_or_dtype(tmp_path):
     assert got["n"].dtype == np.int64 and got["n"][0] == 2**40
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_numpy_64_bit_data_where_like_holds_a_jax_array(mode):
+    """NumPy float64 / int64 data (a tree restored without a target, or by a
+    handler that gives NumPy) where `like` holds JAX float32 / int32 arrays: the
+    model got NumPy leaves (a float64 weight in a float32 model) and an int64 count
+    beyond int32 that JAX then wrapped (`2**32 + 7` read as 7). Now values that the
+    JAX dtype holds exactly come back as JAX arrays of `like`'s dtype (equal to
+    NumPy's cast), and the others are refused by name."""
+    bn = es.nn.BatchNorm(3)
+    like = es.to_refs(bn) if mode == "ref" else bn
+    saved = es.to_orbax(like)
+
+    def widen(add_int=0, add_float=0.0):
+        def one(x):
+            x = np.asarray(x)
+            if x.dtype == np.float32:
+                return x.astype(np.float64) + add_float
+            return x.astype(np.int64) + add_int if x.dtype == np.int32 else x
+
+        return jax.tree.map(one, saved)
+
+    got = es.from_orbax(widen(add_int=5), like)
+    pairs = zip(jax.tree.leaves(es.freeze(got)), jax.tree.leaves(bn), strict=True)
+    for a, b in ((a, b) for a, b in pairs if isinstance(b, jax.Array)):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_array_equal(
+            a, np.asarray(b) + (5 if b.dtype == jnp.int32 else 0)
+        )
+    with pytest.raises(es.CheckpointError, match=r"num_batches_tracked.*int64.*int32"):
+        es.from_orbax(widen(add_int=2**32), like)
+    with pytest.raises(es.CheckpointError, match=r"float64 values that float32"):
+        es.from_orbax(widen(add_float=1e-10), like)
+
+
 def test_numpy_int64_into_an_abstract_like_is_not_downcast(tmp_path):
     tree = {"n": np.array([2**40 + 3]), "s": np.float64(1 / 3), "j": jnp.arange(2)}
     abstract = eqx.filter_eval_shape(lambda: tree)

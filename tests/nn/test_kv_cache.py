@@ -648,6 +648,24 @@ def test_truncate_past_the_cursor_under_jit_raises_at_run_time():
         run(cache, jnp.asarray(2))
 
 
+def test_truncate_to_a_length_that_does_not_fit_is_refused_not_wrapped(monkeypatch):
+    """`np.int64(2**32 + 1)` became 1 in JAX's int32 (NumPy's own cast shows it)
+    and dropped two cached positions; now refused as any length beyond the cursor
+    is, and a non-number is refused by name. Nothing is written."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # wrong input
+    assert np.int64(2**32 + 1).astype(np.int32) == 1
+    cache = es.to_refs(es.nn.KVCache(4, 2, 3))
+    cache.append(jnp.ones((3, 2, 3)), jnp.ones((3, 2, 3)))
+    with pytest.raises(es.StateWriteError, match="KVCache.truncate.*does not fit"):
+        cache.truncate(np.int64(2**32 + 1))
+    with pytest.raises(TypeError, match="KVCache.truncate got '1'") as e:
+        cache.truncate("1")
+    assert isinstance(e.value, es.EqxStateError)
+    assert int(cache.cursor[...]) == 3
+    cache.truncate(np.int64(2))
+    assert int(cache.cursor[...]) == 2
+
+
 def test_truncate_with_lengths_of_another_shape_names_the_fix():
     """One length per sequence of a batched cache, or one for all; a length vector
     of another size (or any vector for a cache of one sequence) is refused by name,
