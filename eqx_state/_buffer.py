@@ -21,6 +21,7 @@ from ._compat import (
     is_batched,
     is_escaped_ref_error,
     ref_is_consumed,
+    unbatched,
     under_trace,
 )
 from ._errors import (
@@ -192,6 +193,50 @@ class Buffer(eqx.Module):
 
     def __setitem__(self, idx: Any, new: Any) -> None:
         _write(self, idx, new)
+
+    # A cell is not its value (PyTorch's buffers are tensors): a truth test, a
+    # comparison with a number or a NumPy conversion would silently use the cell
+    # object (`bn.num_batches_tracked == 0` was False, `bool(counter.count)` True,
+    # `np.asarray(cell)` an object array), so they say how to read the value.
+    # Two cells compare as Equinox compares modules; `cell == None` is False.
+
+    def __bool__(self) -> bool:
+        raise StateTypeError(
+            _not_the_value(self, "The truth value of", "bool(cell[...])")
+        )
+
+    def __eq__(self, other: object, /) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
+        if isinstance(other, Buffer):
+            return eqx.Module.__eq__(self, other)
+        if other is None:
+            return NotImplemented
+        raise StateTypeError(_not_the_value(self, "A comparison of", "cell[...] == x"))
+
+    def __ne__(self, other: object, /) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
+        if isinstance(other, Buffer):
+            return not eqx.Module.__eq__(self, other)
+        if other is None:
+            return NotImplemented
+        raise StateTypeError(_not_the_value(self, "A comparison of", "cell[...] != x"))
+
+    __hash__ = eqx.Module.__hash__
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        raise StateTypeError(
+            _not_the_value(self, "A NumPy conversion of", "np.asarray(cell[...])")
+        )
+
+    def __jax_array__(self) -> jax.Array:
+        raise StateTypeError(
+            _not_the_value(self, "A JAX conversion of", "jnp.asarray(cell[...])")
+        )
+
+
+def _not_the_value(buf: Buffer, what: str, fix: str) -> str:
+    return (
+        f"{what} a state cell (the {describe(buf)}) uses the cell object, not its "
+        f"value: read the value with `cell[...]`, e.g. `{fix}`."
+    )
 
 
 class BatchStat(Buffer):
@@ -365,7 +410,9 @@ def layer_path(layer: Any) -> str:
 
 
 def is_consumed(x: Any) -> bool:
-    """Whether `x` is an array or a ref whose buffer a donating call consumed."""
+    """Whether `x` is an array or a ref whose buffer a donating call consumed (also
+    when an eager `vmap` maps it: the array its batch tracer wraps)."""
+    x = unbatched(x)
     if isinstance(x, Tracer):
         return False
     return (isinstance(x, jax.Array) and x.is_deleted()) or (

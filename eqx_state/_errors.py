@@ -214,6 +214,16 @@ def check_bool(where: str, name: str, value: object) -> bool:
     )
 
 
+def check_choice(
+    where: str, name: str, value: object, choices: tuple[str, ...]
+) -> None:
+    """The one check of an option that is one of some strings (`on_overflow=`): a
+    `StateValueError` naming `where`, `name` and the choices if it is not."""
+    if not (isinstance(value, str) and value in choices):
+        listed = " or ".join(map(repr, choices))
+        raise StateValueError(f"{where}: {name} must be {listed}, got {value!r}.")
+
+
 def check_dtype(where: str, name: str, dtype: object) -> Any:
     """The one check of a `dtype=` argument: `dtype` as a NumPy dtype (anything
     `jnp.dtype` takes: `jnp.float32`, `"bfloat16"`, `np.dtype(...)`; `None`, "the
@@ -222,9 +232,14 @@ def check_dtype(where: str, name: str, dtype: object) -> Any:
     integer) is the caller's to check."""
     if dtype is None:
         return np.dtype(np.float32)
+    # an array (or NumPy scalar) is a value, not a type: `jnp.dtype` would take
+    # its dtype (`dtype=jnp.asarray(3)` an int32)
+    is_value = isinstance(dtype, jax.Array | np.ndarray | np.generic)
     try:
+        if is_value:
+            raise TypeError
         return jax.numpy.dtype(dtype)  # type: ignore[arg-type]
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise StateTypeError(
             f"{where}: {name} must be a dtype (e.g. `jnp.float32`), got {dtype!r}."
         ) from e

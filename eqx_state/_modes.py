@@ -29,7 +29,7 @@ from ._buffer import (
     describe,
     is_state,
 )
-from ._compat import Tracer
+from ._compat import REF_TYPES, Tracer
 from ._errors import StateError, StateTypeError
 
 
@@ -281,10 +281,35 @@ def _witness(v: Any) -> jax.Array:
 
 
 def _map_cells_with_path(fn: Any, tree: Any) -> Any:
+    """`fn(path, cell)` for every cell of `tree`: the one walk over a model's cells
+    (`to_refs`, `freeze`, `thaw` — every step and apply —, the checkpoints'
+    witnesses), which refuses a cell whose value is not an array."""
+
     def one(path: tuple, x: Any) -> Any:
-        return fn(model_path(path), x) if is_state(x) else x
+        if not is_state(x):
+            return x
+        where = model_path(path)
+        if not isinstance(x.value, _CELL_VALUES) and x.value is not None:
+            raise StateTypeError(_not_an_array_message(where, x))
+        return fn(where, x)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_state)
+
+
+# What a cell's value may be: an array (JAX or NumPy, or a tracer of one), a ref,
+# an abstract array (`eqx.filter_eval_shape`); `None` where a filter took it out.
+_CELL_VALUES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, *REF_TYPES)
+
+
+def _not_an_array_message(where: str, buf: Buffer) -> str:
+    v = buf.value
+    return (
+        f"The {type(buf).__name__} cell `{where}` holds {type(v).__name__} {v!r:.40} "
+        "as its value, where a cell holds an array (a ref in ref mode): its layer "
+        "would fail reading it. Put an array of the cell's dtype there, e.g. "
+        f"`eqx.tree_at(lambda m: m{where.removeprefix('model')}.value, model, "
+        "jnp.asarray(value, dtype))`, or replace the whole cell."
+    )
 
 
 def without_witnesses(tree: Any) -> Any:

@@ -347,9 +347,16 @@ def _is_predicate(x: Any) -> bool:
 def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
+            got = (
+                f"an array of shape {jnp.shape(out)}"
+                if isinstance(out, jax.Array | np.ndarray | np.generic)
+                else f"a {type(out).__name__}"
+                + (f" of {len(out)}" if isinstance(out, tuple | list) else "")
+            )
             raise StepError(
                 "make_step(..., has_aux=True) expects `loss_fn` to return a pair "
-                f"`(loss, aux)`, got {type(out).__name__}."
+                f"`(loss, aux)`, got {got}. Return `loss, aux`, or build the step "
+                "without `has_aux=True`."
             )
         value, aux = out
     else:
@@ -383,7 +390,9 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
             + (", or return it as `aux`" if not has_aux else "")
             + "."
         )
-    return value, aux  # pyright: ignore[reportReturnType]  (a scalar, checked above)
+    # an array, as every runner returns it (a Python float loss was returned as
+    # it was by a step, and `step.scan` gave one float for its K losses)
+    return jnp.asarray(value), aux
 
 
 def _accumulate(grad_fn, diff, args, kwargs, k: int):

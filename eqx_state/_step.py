@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from ._buffer import is_state
-from ._compat import jit_body
+from ._compat import Tracer, jit_body
 from ._dispatch import (
     Compiled,
     Owned,
@@ -57,6 +57,21 @@ class _Runner:
 
     def __delattr__(self, name: str) -> None:
         raise ReadOnlyError(_read_only_message(self, name))
+
+
+def _own_buffers(make: Callable[[], Any]) -> Any:
+    """The tree `make()` returns (an optimizer state), every concrete array in a
+    buffer of its own. optax's `init` puts arrays it was given into the state as
+    they are (a typed learning rate given to `optax.inject_hyperparams`, the
+    parameters themselves for `optax.lookahead`), and the first step donates the
+    state: it would delete them from under their owner (the optimizer, for its next
+    `init`). Each array is copied, and the original let go before the next copy, so
+    the state is held about once (plus one array), not twice."""
+    leaves, treedef = jax.tree_util.tree_flatten(make())
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer):
+            leaves[i] = x.copy()  # (keeps the dtype, weak type and sharding)
+    return treedef.unflatten(leaves)
 
 
 class Step(_Runner):
@@ -202,11 +217,11 @@ class Step(_Runner):
         check_tree_live(model)  # consumed: named as every runner names it
         params = trainable_params(model, self.trainable)
         if self.mesh is None:
-            return self.optimizer.init(params)
+            return _own_buffers(lambda: self.optimizer.init(params))
         # the parameters where the step puts them, so that the state built from
         # them (`zeros_like`, copies) is laid out alike from the start
         params = place(params, self.mesh, self.layout)
-        opt_state = self.optimizer.init(params)
+        opt_state = _own_buffers(lambda: self.optimizer.init(params))
         _, opt_state = place_carry(params, opt_state, self.mesh, self.layout)
         return opt_state
 
@@ -601,8 +616,11 @@ def make_step(
         and optimizer state passed in are then consumed — also when the compiled
         program fails at run time (an `eqx.error_if` check): keep a checkpoint, or
         pass `donate=False` to keep them valid (e.g. while debugging). A step
-        called under an outer transformation (`jax.jit`, `jax.grad`, `vmap`: to
-        differentiate through a step) donates nothing: JAX keeps its inputs.
+        called inside a traced function (`jax.jit`, `jax.grad`, or a `vmap` under
+        either: to differentiate through a step) donates nothing: JAX keeps its
+        inputs. Called by an eager `vmap` (an ensemble: `eqx.filter_vmap(step)`
+        outside any `jit`), it donates the arrays the batch holds, as a plain call
+        does: the old ensemble is consumed.
     - `mesh`: a `jax.sharding.Mesh` for data parallelism: every array argument is
         sharded over `data_axis` on its leading (batch) axis, the model is laid out
         by `layout` (replicated by default), the optimizer state like its
@@ -738,8 +756,9 @@ def make_apply(
 
     - `fn`: `fn(model, *args, **kwargs)`, any function of the model.
     - `donate`: donate the state cells the call replaces; the model passed in is then
-        consumed (its parameters stay valid). `donate=False` keeps it valid. Under
-        an outer transformation nothing is donated (see [`eqx_state.make_step`][]).
+        consumed (its parameters stay valid). `donate=False` keeps it valid. Inside
+        a traced function nothing is donated; an eager `vmap` donates as a plain
+        call does (see [`eqx_state.make_step`][]).
     - `scan_unroll`: `lax.scan`'s `unroll` for [`Apply.scan`][eqx_state._step.Apply.scan] (see
         [`eqx_state.make_step`][]).
     - `**jit_kwargs`: passed to `jax.jit`.

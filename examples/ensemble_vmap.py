@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     keys = jax.random.split(jax.random.key(args.seed), args.members)
     ensemble = eqx.filter_vmap(MLP)(keys)  # every array gets a leading member axis
-    # donate=False: under vmap there is nothing to donate in place; the step is pure
+    # donate=False: the step runs inside `eqx.filter_jit` below, where JAX donates
+    # nothing anyway (an eager `filter_vmap(step)` would donate the old ensemble)
     step = es.make_step(loss_fn, optax.adam(3e-3), donate=False)
     opt_state = eqx.filter_vmap(step.init)(ensemble)
     ens_step = eqx.filter_jit(

@@ -9,10 +9,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._buffer import Cache, _LayerBase, is_state
-from .._errors import StateValueError, check_bool, check_int
+from .._errors import (
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    check_choice,
+    check_dtype,
+    check_int,
+)
 from .._modes import model_path
 from ._complex import refuse_non_array
-from ._kv_cache import KVCache
+from ._kv_cache import _OVERFLOW, KVCache
+from ._rng import as_key
 
 
 _M = TypeVar("_M")
@@ -147,7 +155,14 @@ class CausalSelfAttention(_LayerBase):
                 f"CausalSelfAttention: num_heads={num_heads} must divide "
                 f"embed_dim={embed_dim}."
             )
-        dtype = jnp.float32 if dtype is None else dtype
+        dtype = check_dtype("CausalSelfAttention", "dtype", dtype)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise StateTypeError(
+                "CausalSelfAttention: dtype must be a floating (or complex) dtype, "
+                f"got {dtype.name}: its projections are trained."
+            )
+        check_choice("CausalSelfAttention", "on_overflow", on_overflow, _OVERFLOW)
+        key = as_key(key, "CausalSelfAttention(key=...)")
         kq, kk, kv, ko = jax.random.split(key, 4)
         lin = lambda k: eqx.nn.Linear(  # noqa: E731
             embed_dim, embed_dim, use_bias=use_bias, dtype=dtype, key=k

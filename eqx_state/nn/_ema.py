@@ -16,7 +16,7 @@ from .._buffer import (
     is_state,
     params,
 )
-from .._errors import StateValueError, check_bool, check_int, check_real
+from .._errors import StateValueError, check_bool, check_dtype, check_int, check_real
 from .._modes import model_path
 from ._complex import refuse_complex
 from ._counter import saturating_add
@@ -185,6 +185,10 @@ class EMA(_LayerBase):
             raise StateValueError(
                 "EMA: the model has no parameters to average (no inexact arrays "
                 "outside state cells)."
+            )
+        if accumulation_dtype is not None:
+            accumulation_dtype = check_dtype(
+                "EMA", "accumulation_dtype", accumulation_dtype
             )
         if accumulation_dtype is not None and not jnp.issubdtype(
             accumulation_dtype, jnp.floating

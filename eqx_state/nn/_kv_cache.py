@@ -15,10 +15,14 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_choice,
     check_dtype,
     check_int,
 )
 from ._complex import refuse_complex, refuse_non_array
+
+
+_OVERFLOW = ("raise", "nan")  # what `on_overflow` may be
 
 
 # The caches appended to under each differentiation trace (`jax.grad` of a loss),
@@ -169,10 +173,7 @@ class KVCache(_LayerBase):
         max_len, num_heads, head_dim = (
             check_int("KVCache", name, v, 1) for name, v in sizes.items()
         )
-        if on_overflow not in ("raise", "nan"):
-            raise StateValueError(
-                f"KVCache: on_overflow must be 'raise' or 'nan', got {on_overflow!r}."
-            )
+        check_choice("KVCache", "on_overflow", on_overflow, _OVERFLOW)
         dtype = check_dtype("KVCache", "dtype", dtype)
         name = dtype.name
         if not jnp.issubdtype(dtype, jnp.inexact):

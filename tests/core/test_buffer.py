@@ -458,3 +458,39 @@ def test_an_exact_widening_is_written_and_a_narrowing_refused():
     for cell, v in refused:
         with pytest.raises(es.StateWriteError, match="state cells keep their dtype"):
             _write_both_modes(cell, v)
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_cell_used_as_its_value_says_how_to_read_it(mode):
+    """PyTorch's buffers are tensors, so `bn.num_batches_tracked == 0` and `if
+    counter.count:` read the value there. A cell is not its value: the comparison
+    was silently False, the truth test True and `np.asarray(cell)` an object array.
+    Each now raises a `TypeError` of the library's naming the read (`cell[...]`),
+    whose result is PyTorch's."""
+    torch = pytest.importorskip("torch")
+    bn = es.nn.BatchNorm(3)
+    bn = es.to_refs(bn) if mode == "ref" else bn
+    cell = bn.num_batches_tracked
+    misuses = (
+        lambda: cell == 0,
+        lambda: 0 == cell,
+        lambda: cell != 0,
+        lambda: bool(cell),
+        lambda: np.asarray(cell),
+        lambda: jnp.asarray(cell),
+        lambda: jnp.sum(cell),
+    )
+    for misuse in misuses:
+        with pytest.raises(
+            TypeError, match=r"read the value with `cell\[\.\.\.\]`"
+        ) as e:
+            misuse()
+        assert isinstance(e.value, es.EqxStateError)
+    want = torch.nn.BatchNorm1d(3).num_batches_tracked
+    assert bool(cell[...] == 0) == bool(want == 0)
+    assert np.asarray(cell[...]).tolist() == want.numpy().tolist()
+    # what stays: a cell is not None, two cells compare as Equinox modules do
+    assert (cell == None) is False  # noqa: E711
+    if mode == "value":
+        assert cell == es.nn.BatchNorm(3).num_batches_tracked
+    assert cell in [cell]

@@ -437,6 +437,36 @@ def test_an_ensemble_step_vmapped_eagerly_still_donates():
     assert weight.is_deleted()
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+@pytest.mark.parametrize("runner", ["step", "make_apply"])
+def test_an_ensemble_consumed_under_eager_vmap_is_named_stale(runner, mode):
+    """Reusing the ensemble an eager `vmap` of a step (or apply) consumed gave
+    JAX's bare errors, a different one per mode ("Buffer has been deleted or
+    donated", "Array has been deleted"): the consumed check did not look through
+    the batch tracers. Now the `StaleModelError` of a plain call."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    models = eqx.filter_vmap(lambda k: Net(k))(keys)
+    models = es.to_refs(models) if mode == "ref" else models
+    x = jnp.ones((B, IN))
+    mapped = lambda v: 0 if es.is_array_or_ref(v) else None  # noqa: E731
+    if runner == "step":
+        step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+        opt_states = eqx.filter_vmap(step.init)(models)
+        in_axes = (mapped, mapped, None)
+        call = eqx.filter_vmap(step, in_axes=in_axes)
+        args = (models, opt_states, x)
+    else:
+        apply = es.make_apply(lambda m, x: m(x))
+        call = eqx.filter_vmap(apply, in_axes=(mapped, None))
+        args = (models, x)
+    call(*args)  # consumes the ensemble's arrays
+    if runner == "make_apply" and mode == "ref":  # its refs are written in place:
+        call(*args)  # nothing was consumed
+        return
+    with pytest.raises(es.StaleModelError, match=r"^The model holds.*Consumed: `"):
+        call(*args)
+
+
 def test_an_ensemble_with_tied_arrays_steps_under_eager_vmap_like_a_hand_loop():
     """One array at two places of an ensemble (tied, as `Tied(w, w)`): under an
     eager `vmap` the step donates it once (each place is a batch tracer of its own;

@@ -1464,3 +1464,39 @@ def test_a_metric_with_dtype_none_keeps_float32_statistics():
         for leaf in jax.tree.leaves(es.freeze(mean))
         if hasattr(leaf, "dtype")
     )
+
+
+def _dtype_builders():
+    key = jax.random.key(0)
+    lin = eqx.nn.Linear(2, 2, key=key)
+    return {
+        "BatchNorm dtype": lambda d: es.nn.BatchNorm(3, dtype=d),
+        "KVCache dtype": lambda d: es.nn.KVCache(4, 2, 3, dtype=d),
+        "CausalSelfAttention dtype": lambda d: es.nn.CausalSelfAttention(
+            8, 2, dtype=d, key=key
+        ),
+        "EMA accumulation_dtype": lambda d: es.nn.EMA(lin, accumulation_dtype=d),
+        "Mean dtype": lambda d: es.metrics.Mean(dtype=d),
+    }
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["float33", 3, jnp.asarray(3.0), np.float32(1.0), np.bool_(True), [np.float32]],
+    ids=["string", "int", "jax array", "numpy scalar", "numpy bool", "list"],
+)
+def test_every_dtype_option_takes_a_type_and_refuses_a_value(bad):
+    """A `dtype=` goes through the one check: an array or a NumPy scalar is a
+    value, not a type (`jnp.dtype` took its dtype: `Mean(dtype=jnp.asarray(3.0))`
+    made float32 statistics), and `CausalSelfAttention` and `EMA`'s
+    `accumulation_dtype` gave JAX's or NumPy's own errors. Each refusal is a
+    `TypeError` of the library's naming the builder and the option; a real type
+    is taken by all."""
+    for case, build in _dtype_builders().items():
+        builder, option = case.split(" ")
+        with pytest.raises(
+            TypeError, match=rf"{builder}: {option} must be a dtype"
+        ) as e:
+            build(bad)
+        assert isinstance(e.value, es.EqxStateError), case
+        build(jnp.float32)

@@ -667,6 +667,85 @@ def test_one_ref_at_two_places_is_refused_alike_by_the_forward_runners(runner):
         calls[runner](twice, xs[0], other, mean)
 
 
+def test_a_python_float_loss_is_returned_as_an_array_by_every_runner():
+    """A `loss_fn` returning a Python float (a constant loss while debugging): a
+    step returned the float as it was and `step.scan` over K gave one float, not
+    K losses. Every runner now returns arrays, K of them from the scan."""
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    step = es.make_step(
+        lambda m, x: 0.5, optax.sgd(0.1), return_loss=True, donate=False
+    )
+    xs = jnp.ones((K, 3))
+    _, _, loss = step(model, step.init(model), xs[0])
+    assert isinstance(loss, jax.Array) and loss.shape == () and float(loss) == 0.5
+    _, _, losses = step.scan(model, step.init(model), xs)
+    assert isinstance(losses, jax.Array) and losses.tolist() == [0.5] * K
+    loop = step.own(model, step.init(model))
+    assert [float(loop(x)) for x in xs] == [0.5] * K
+
+
+@pytest.mark.parametrize("value", [0, [0], "0"], ids=["int", "list", "str"])
+@pytest.mark.parametrize(
+    "runner", [*RUNNERS, "apply", "make_apply", "make_apply.scan", "to_refs"]
+)
+def test_a_cell_holding_no_array_is_named_alike_by_every_runner(runner, value):
+    """`eqx.tree_at(lambda m: m.bn.num_batches_tracked.value, model, 0)` (the
+    `.value` route misuse.md gives, with a Python number): every runner raised
+    Python's or JAX's error ("'int' object has no attribute 'shape'", "Error
+    interpreting argument to new_ref"), naming no place. Now one `TypeError` of
+    the library's, naming the cell, from the one walk over cells every runner
+    takes."""
+    model = Net(jax.random.key(0))
+    bad = eqx.tree_at(lambda m: m.bn.num_batches_tracked.value, model, value)
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    xs, ys = data()
+    apply = es.make_apply(forward)
+    calls = {
+        "apply": lambda: es.apply(forward, bad, xs[0]),
+        "make_apply": lambda: apply(bad, xs[0]),
+        "make_apply.scan": lambda: apply.scan(bad, xs),
+        "to_refs": lambda: es.to_refs(bad),
+    }
+    with pytest.raises(
+        TypeError, match=r"cell `model\.bn\.num_batches_tracked` holds .* as its value"
+    ) as caught:
+        if runner in calls:
+            calls[runner]()
+        else:
+            first_call(runner, step, bad, opt_state, xs, ys)
+    assert isinstance(caught.value, es.EqxStateError)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_an_array_given_to_the_optimizer_outlives_the_first_step(runner, mode):
+    """`optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3))`:
+    optax's eager `init` puts that array itself into the state, and the first step
+    donated it, so the optimizer held a deleted array and every later
+    `step.init` failed with JAX's "deleted or donated". `step.init` builds the
+    state in new buffers: the array lives on, and a second `init` equals optax's
+    own `init` of the new parameters."""
+    lr = jnp.float32(0.05)
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+    model = Net(jax.random.key(0))
+    model = es.to_refs(model) if mode == "ref" else model
+    step = es.make_step(loss_fn, optimizer)
+    opt_state = step.init(model)
+    xs, ys = data()
+    if runner == "own":
+        loop = step.own(model, opt_state)
+        loop(xs[0], ys[0])
+        new, _ = loop.release()
+    else:
+        new = first_call(runner, step, model, opt_state, xs, ys)[0]
+    assert not lr.is_deleted()
+    again = step.init(new)
+    want = optimizer.init(es.params(new))  # optax's own, eagerly
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "runner", [*RUNNERS, "apply", "make_apply", "make_apply.scan", "init", "freeze"]
