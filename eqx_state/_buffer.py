@@ -55,7 +55,13 @@ def _to_value(x: Any) -> Any:
     if isinstance(x, jax.Array):
         # a copy: a step donates the cell's array, which must not delete the caller's
         x = jnp.array(x, copy=True)
-    x = jnp.asarray(x)
+    x = host_value(
+        x,
+        "A state cell's initial value",
+        "Give an array, or a number, that JAX holds as it is.",
+        StateValueError,
+        StateTypeError,
+    )
     if getattr(x, "weak_type", False):
         x = jnp.asarray(x, dtype=x.dtype)  # a cell has a definite dtype
     return x
@@ -788,7 +794,7 @@ def host_value(
         if changed:
             given = (
                 "a Python number"
-                if isinstance(x, int | float)
+                if isinstance(x, int | float) and not isinstance(x, np.generic)
                 else f"a value of dtype {host.dtype.name}"
             )
             raise error(

@@ -941,6 +941,15 @@ def _read_blob(path_or_file: Any) -> tuple[str, bytearray, bytes]:
                 f"The file object {name} is in text mode: open checkpoints in binary "
                 "mode ('rb')."
             )
+        try:  # (a closed file raises here: the read below says so)
+            readable = path_or_file.readable()
+        except (AttributeError, OSError, ValueError):
+            readable = True
+        if not readable:
+            raise CheckpointError(
+                f"The file object {name} is not open for reading: open checkpoints "
+                "to load with mode 'rb'."
+            )
         try:
             return name, *_read_one(path_or_file, name)
         except (OSError, ValueError) as e:

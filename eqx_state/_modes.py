@@ -280,16 +280,17 @@ def _witness(v: Any) -> jax.Array:
     return w
 
 
-def _map_cells_with_path(fn: Any, tree: Any) -> Any:
+def _map_cells_with_path(fn: Any, tree: Any, model: bool = False) -> Any:
     """`fn(path, cell)` for every cell of `tree`: the one walk over a model's cells
     (`to_refs`, `freeze`, `thaw` — every step and apply —, the checkpoints'
-    witnesses), which refuses a cell whose value is not an array."""
+    witnesses). For a `model` (not a filter spec, whose cells hold bools), a cell
+    whose value is not an array is refused, naming it."""
 
     def one(path: tuple, x: Any) -> Any:
         if not is_state(x):
             return x
         where = model_path(path)
-        if not isinstance(x.value, _CELL_VALUES) and x.value is not None:
+        if model and not isinstance(x.value, _CELL_VALUES) and x.value is not None:
             raise StateTypeError(_not_an_array_message(where, x))
         return fn(where, x)
 
@@ -431,6 +432,12 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
     # a consumed model (donated to a step) would come back holding dead parameters
     # beside live refs (in ref mode, the refs of the model the step returned)
     check_tree_live(model)
+    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+        raise StateTypeError(
+            "es.to_refs: sharding must be a `jax.sharding.Sharding` (e.g. "
+            "`NamedSharding(mesh, PartitionSpec())`) or None, got "
+            f"{type(sharding).__name__} {sharding!r:.40}."
+        )
 
     def one(path: str, buf: Buffer) -> Buffer:
         v = buf.value
@@ -442,7 +449,7 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
             v = jax.device_put(v, v.sharding if sharding is None else sharding)
         return _rebuild(buf, value=jax.new_ref(v, kind=REF_KIND), witness=_witness(v))
 
-    return _map_cells_with_path(one, model)
+    return _map_cells_with_path(one, model, model=True)
 
 
 def freeze(model: Any) -> Any:
@@ -470,7 +477,7 @@ def freeze(model: Any) -> Any:
             return buf
         return _rebuild(buf, value=buf[...], witness=None)
 
-    return _map_cells_with_path(one, model)
+    return _map_cells_with_path(one, model, model=True)
 
 
 def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
@@ -506,7 +513,7 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
         paths[id(ref)] = f"{where} ({mode} mode)"
         return _rebuild(buf, value=ref, witness=_witness(v))
 
-    thawed = _map_cells_with_path(one, model)
+    thawed = _map_cells_with_path(one, model, model=True)
     return thawed, record, paths
 
 

@@ -17,7 +17,13 @@ import numpy as np
 from ._buffer import Buffer, RecordState, RngState, check_live, is_state
 from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
 from ._compat import Tracer
-from ._errors import StaleModelError, StateTypeError, StateValueError, stale_message
+from ._errors import (
+    StaleModelError,
+    StateTypeError,
+    StateValueError,
+    check_bool,
+    stale_message,
+)
 from ._modes import to_refs
 from ._torch_names import (
     _SKIPPED,
@@ -756,6 +762,15 @@ def load_state_dict(
         raise StateTypeError(
             "load_state_dict expects a mapping from names to arrays (e.g. "
             f"`torch_model.state_dict()`), got {type(state_dict).__name__}."
+        )
+    strict = check_bool("load_state_dict", "strict", strict)
+    names = [k for k in state_dict if not isinstance(k, str)]
+    if names:
+        raise StateTypeError(
+            "load_state_dict: a state dict's names are strings (PyTorch's "
+            f"`layer.0.weight`), got {names[0]!r} of type {type(names[0]).__name__}"
+            + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+            + "."
         )
     loader = _Loader(state_dict)
     new = loader.tree(model, "")

@@ -20,7 +20,13 @@ from ._buffer import (
     unbatched_message,
 )
 from ._compat import is_batched, is_unmapped_ref_write, mapped_by_same_vmap
-from ._errors import StateError, StateValueError, StateWriteError, is_whole
+from ._errors import (
+    StateError,
+    StateTypeError,
+    StateValueError,
+    StateWriteError,
+    is_whole,
+)
 from ._modes import model_path
 
 
@@ -129,6 +135,10 @@ def vmap(
     assert int(bn.num_batches_tracked[...]) == 1
     ```
     """
+    if not callable(fn):  # as `jax.vmap` refuses it, when built
+        raise StateTypeError(
+            f"es.vmap: expected a function to map, got {type(fn).__name__} {fn!r:.40}."
+        )
 
     @functools.wraps(fn)
     def mapped(*args: Any) -> Any:

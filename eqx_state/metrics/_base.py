@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Real
 
-from .._buffer import MetricState, _LayerBase, check_cell_dtype, describe, is_state
+from .._buffer import (
+    MetricState,
+    _LayerBase,
+    check_cell_dtype,
+    describe,
+    host_value,
+    is_state,
+)
 from .._compat import Tracer
 from .._errors import (
     StateNotImplementedError,
@@ -350,7 +357,12 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
         ):  # a NumPy integer array is on the host: checked by value, as `jnp.asarray`
             # with x64 off would wrap an int64 past int32's range (2**40 read 0)
             _check_in_range(metric, dtype, name, int(np.min(x)), int(np.max(x)))
-        x = jnp.asarray(x)
+        x = host_value(  # None, a string; a float64 beyond float32 (inf)
+            x,
+            f"{metric}.update: `{name}`",
+            "Give an array (or a number) its statistics hold.",
+            StateTypeError,
+        )
         src = x.dtype
         if (
             _kind(dtype) == 1

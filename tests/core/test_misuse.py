@@ -20,6 +20,7 @@ import sys
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -1500,3 +1501,32 @@ def test_every_dtype_option_takes_a_type_and_refuses_a_value(bad):
             build(bad)
         assert isinstance(e.value, es.EqxStateError), case
         build(jnp.float32)
+
+
+def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
+    """Each gave Python's, NumPy's or JAX's own error (or was taken: `strict="no"`
+    ran as `strict=True`, `es.vmap(3)` failed only when called); now a `TypeError`
+    or `ValueError` of the library's, naming the function and the argument."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # wrong input
+    bn = es.nn.BatchNorm(3)
+    sd = es.state_dict(bn)
+    cases = [
+        (lambda: es.load_state_dict(bn, sd, strict="no"), "load_state_dict: strict"),
+        (lambda: es.load_state_dict(bn, {**sd, 3: np.zeros(3)}), "names are strings"),
+        (lambda: es.vmap(3), "es.vmap: expected a function"),
+        (lambda: es.to_refs(bn, sharding="x"), "es.to_refs: sharding must be"),
+        (lambda: es.BatchStat(None), "initial value got None"),
+        (lambda: es.Buffer("3"), "initial value got '3'"),
+        (
+            lambda: es.apply(lambda m: m.update("abc"), es.metrics.Mean()),
+            r"Mean.update: `values` got 'abc'",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises((TypeError, ValueError), match=match) as e:
+            call()
+        assert isinstance(e.value, es.EqxStateError), match
+    # an int64 beyond int32 as a cell's initial value was wrapped (2**40 read 0)
+    with pytest.raises(ValueError, match="does not fit int32") as e:
+        es.Buffer(np.int64(2**40))
+    assert isinstance(e.value, es.EqxStateError)

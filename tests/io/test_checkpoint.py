@@ -447,6 +447,12 @@ def test_file_objects(tmp_path):
         es.save(f, model)
     with open(tmp_path / "c") as f, pytest.raises(es.CheckpointError, match="'rb'"):
         es.load(f, like=model)
+    # opened for writing: was "Cannot read the checkpoint ...: read"
+    with (
+        open(tmp_path / "c", "ab") as f,
+        pytest.raises(es.CheckpointError, match="not open for reading.*'rb'"),
+    ):
+        es.load(f, like=model)
 
 
 def _reads_item_by_item(save, load, a, b, make_stream):
