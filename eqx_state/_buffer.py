@@ -201,10 +201,12 @@ class Buffer(eqx.Module):
         _write(self, idx, new)
 
     # A cell is not its value (PyTorch's buffers are tensors): a truth test, a
-    # comparison with a number or a NumPy conversion would silently use the cell
-    # object (`bn.num_batches_tracked == 0` was False, `bool(counter.count)` True,
-    # `np.asarray(cell)` an object array), so they say how to read the value.
-    # Two cells compare as Equinox compares modules; `cell == None` is False.
+    # comparison with a number or an array, or a NumPy conversion would silently
+    # use the cell object (`bn.num_batches_tracked == 0` was False,
+    # `bool(counter.count)` True, `np.asarray(cell)` an object array), so they say
+    # how to read the value. Anything else (another cell, None, a string) compares
+    # as Equinox compares modules. No `__jax_array__`: Equinox's filters read its
+    # presence as "array-like" (`eqx.is_array_like`).
 
     def __bool__(self) -> bool:
         raise StateTypeError(
@@ -212,18 +214,18 @@ class Buffer(eqx.Module):
         )
 
     def __eq__(self, other: object, /) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
-        if isinstance(other, Buffer):
-            return eqx.Module.__eq__(self, other)
-        if other is None:
-            return NotImplemented
-        raise StateTypeError(_not_the_value(self, "A comparison of", "cell[...] == x"))
+        if isinstance(other, _VALUES):
+            raise StateTypeError(
+                _not_the_value(self, "A comparison of", "cell[...] == x")
+            )
+        return eqx.Module.__eq__(self, other)
 
     def __ne__(self, other: object, /) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
-        if isinstance(other, Buffer):
-            return not eqx.Module.__eq__(self, other)
-        if other is None:
-            return NotImplemented
-        raise StateTypeError(_not_the_value(self, "A comparison of", "cell[...] != x"))
+        if isinstance(other, _VALUES):
+            raise StateTypeError(
+                _not_the_value(self, "A comparison of", "cell[...] != x")
+            )
+        return not eqx.Module.__eq__(self, other)
 
     __hash__ = eqx.Module.__hash__
 
@@ -232,10 +234,11 @@ class Buffer(eqx.Module):
             _not_the_value(self, "A NumPy conversion of", "np.asarray(cell[...])")
         )
 
-    def __jax_array__(self) -> jax.Array:
-        raise StateTypeError(
-            _not_the_value(self, "A JAX conversion of", "jnp.asarray(cell[...])")
-        )
+
+# What a cell compared with `==` is refused for: a number or an array (what its
+# value would have been compared with); anything else compares as Equinox's
+# modules do (False for another kind of object).
+_VALUES = (bool, int, float, complex, np.generic, np.ndarray, jax.Array)
 
 
 def _not_the_value(buf: Buffer, what: str, fix: str) -> str:
@@ -772,6 +775,17 @@ def host_value(
     `KVCache.truncate`)."""
     if isinstance(x, jax.Array | Tracer) or _is_ref(x):
         return x
+    if isinstance(x, list | tuple) and any(
+        isinstance(leaf, jax.Array | Tracer) or _is_ref(leaf)
+        for leaf in jax.tree_util.tree_leaves(x)
+    ):  # JAX values in a list (tracers, keys): `jnp.asarray` stacks them on device
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise (type_error or error)(
+                f"{what} got a {type(x).__name__} JAX cannot stack into an array: "
+                f"{e}. {wants}"
+            ) from e
     try:
         host = np.asarray(x)
     except Exception as e:  # a ragged list, an object refusing conversion
@@ -784,10 +798,10 @@ def host_value(
             f"not one JAX holds: a Python int beyond 64 bits). {wants}"
         )
     kept = jax.dtypes.canonicalize_dtype(host.dtype)
-    if kept != host.dtype and host.dtype.kind in "iuf":
+    if kept != host.dtype and host.dtype.kind in "iufc":
         with np.errstate(over="ignore", invalid="ignore"):
             narrowed = host.astype(kept)
-        if host.dtype.kind == "f":
+        if host.dtype.kind in "fc":
             changed = bool(np.any(np.isfinite(host) & ~np.isfinite(narrowed)))
         else:
             changed = not np.array_equal(narrowed.astype(host.dtype), host)
@@ -847,6 +861,21 @@ def _cast_for(buf: Buffer, new: jax.Array) -> jax.Array:
     )
 
 
+# The floating types whose values are a subset of every wider one's (IEEE-like:
+# the same bias rule, infinities and NaN); float8 types are not among them.
+_IEEE = {
+    jnp.dtype(t)
+    for t in (
+        jnp.float16,
+        jnp.bfloat16,
+        jnp.float32,
+        jnp.float64,
+        jnp.complex64,
+        jnp.complex128,
+    )
+}
+
+
 def _exact_widening(src: Any, dst: Any) -> bool:
     """Whether every value of dtype `src` is exactly a value of `dst`, of the same
     kind of number: a float into a float with as many exponent and mantissa bits
@@ -856,6 +885,8 @@ def _exact_widening(src: Any, dst: Any) -> bool:
         return False  # typed PRNG keys: only their own dtype
     for kind in (jnp.complexfloating, jnp.floating):
         if jnp.issubdtype(src, kind) and jnp.issubdtype(dst, kind):
+            if not {jnp.dtype(src), jnp.dtype(dst)} <= _IEEE:
+                return False  # float8 types differ in bias and inf/NaN, not only bits
             s, d = jnp.finfo(src), jnp.finfo(dst)
             return s.nexp <= d.nexp and s.nmant <= d.nmant
     if jnp.issubdtype(src, jnp.integer) and jnp.issubdtype(dst, jnp.integer):

@@ -339,8 +339,16 @@ def with_witnesses(tree: Any) -> Any:
 def check_no_shared_refs(tree: Any) -> None:
     """Refuse a tree in which one ref sits at two positions (see the module
     docstring): `refuse_shared_refs` on the tree alone."""
+    cell_refs = {
+        id(x.value)  # identity of a ref
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state)
+        if is_state(x) and _is_ref(x.value)
+    }
+    if not cell_refs:
+        return
     leaves = jax.tree_util.tree_leaves(tree)
-    refs = [i for i, x in enumerate(leaves) if _is_ref(x)]
+    # the cells' refs (a bare ref outside a cell is not state of the model)
+    refs = [i for i, x in enumerate(leaves) if _is_ref(x) and id(x) in cell_refs]
     if len(refs) > 1:
         wrapped = ((tree,), (), {})
         refuse_shared_refs(wrapped, leaves, refs, len(leaves), len(leaves))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._buffer import RecordState, _is_ref, _LayerBase, is_state
+from .._buffer import RecordState, _is_ref, _LayerBase, host_value, is_state
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -411,7 +411,10 @@ class Record(Recorder):
         cells = _cells(self.metrics)
         if not all(_is_ref(c.value) for c in cells):
             raise _not_writable(f"Record{self.names}")
-        v = jax.lax.stop_gradient(jnp.asarray(x))
+        where = f"Record({', '.join(map(repr, self.names))})"
+        v = jax.lax.stop_gradient(
+            host_value(x, where, "Record a value JAX holds as it is.", StateTypeError)
+        )
         real_only = [n for n in self.names if n in _REAL_ONLY and n not in self.custom]
         if real_only:  # checked before any statistic is written
             refuse_complex(
@@ -664,7 +667,14 @@ class Capture(Recorder):
         refuse_non_array(f"Capture(shape={self.shape})", x, numbers=True)
         if not (_is_ref(self.value.value) and _is_ref(self.count.value)):
             raise _not_writable(f"Capture{self.shape}")
-        v = jax.lax.stop_gradient(jnp.asarray(x))
+        v = jax.lax.stop_gradient(
+            host_value(
+                x,
+                f"Capture(shape={self.shape})",
+                "Capture a value JAX holds as it is.",
+                StateTypeError,
+            )
+        )
         if self.axis_name is not None:
             v = _gather(v, self.axis_name)
         dtype = self.value.dtype

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -477,8 +478,8 @@ def test_a_cell_used_as_its_value_says_how_to_read_it(mode):
         lambda: cell != 0,
         lambda: bool(cell),
         lambda: np.asarray(cell),
-        lambda: jnp.asarray(cell),
-        lambda: jnp.sum(cell),
+        lambda: cell == np.int64(0),
+        lambda: cell == jnp.zeros(()),
     )
     for misuse in misuses:
         with pytest.raises(
@@ -489,8 +490,70 @@ def test_a_cell_used_as_its_value_says_how_to_read_it(mode):
     want = torch.nn.BatchNorm1d(3).num_batches_tracked
     assert bool(cell[...] == 0) == bool(want == 0)
     assert np.asarray(cell[...]).tolist() == want.numpy().tolist()
-    # what stays: a cell is not None, two cells compare as Equinox modules do
+    # what stays: a cell is not None, not a string, not array-like to Equinox's
+    # filters (`eqx.filter(bn, eqx.is_array_like, is_leaf=es.is_state)` drops it),
+    # and two cells compare as Equinox modules do
     assert (cell == None) is False  # noqa: E711
+    assert (cell == "running_mean") is False
+    assert cell not in (None, "x")
+    assert not eqx.is_array_like(cell) and not eqx.is_inexact_array_like(cell)
     if mode == "value":
         assert cell == es.nn.BatchNorm(3).num_batches_tracked
     assert cell in [cell]
+
+
+def test_a_list_of_jax_values_is_stacked_as_jnp_asarray_stacks_it(monkeypatch):
+    """Review finding: the host-value check took a list of tracers (or of typed
+    keys) to NumPy and refused it. JAX values in a list go to `jnp.asarray` as
+    they did: a write, a cell's initial value and a metric input, under `jit`."""
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # a list
+
+    class M(eqx.Module):
+        c: es.Buffer
+
+        def __call__(self, v):
+            self.c[...] = v
+
+    @eqx.filter_jit
+    def run(a, b):
+        _, m = es.apply(lambda m: m([a, b]), M(es.Buffer(jnp.zeros(2))))
+        _, s = es.apply(lambda s: s.update([a, b]), es.metrics.Sum())
+        return m.c[...], s.compute(), es.Buffer([a, b]).value
+
+    written, total, initial = run(jnp.float32(1), jnp.float32(2))
+    np.testing.assert_array_equal(written, np.array([1.0, 2.0], np.float32))
+    np.testing.assert_array_equal(initial, np.array([1.0, 2.0], np.float32))
+    assert float(total) == 3.0
+    keys = es.Buffer([jax.random.key(0), jax.random.key(1)])
+    assert keys.value.shape == (2,)
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz),
+        (jnp.float8_e5m2fnuz, jnp.float8_e5m2),
+        (jnp.float8_e4m3b11fnuz, jnp.float8_e4m3fn),
+    ],
+)
+def test_float8_writes_of_another_float8_type_are_refused(src, dst):
+    """Review finding: comparing exponent and mantissa bits took float8 types of
+    other biases and inf/NaN rules as widenings (448 in e4m3fn written as NaN in
+    e4m3fnuz). Only the IEEE-like types widen; NumPy's own cast of the values
+    shows the change the refusal prevents."""
+    # some value of `src` that `dst` does not hold (the casts show it)
+    every = jnp.asarray(np.arange(256, dtype=np.uint8).view(jnp.dtype(src)))
+    back = every.astype(dst).astype(src)
+    same = (back == every) | (jnp.isnan(back) & jnp.isnan(every))
+    assert not bool(jnp.all(same))
+    cell = es.to_refs(es.Buffer(jnp.zeros(256, dst)))
+    with pytest.raises(es.StateWriteError, match="state cells keep their dtype"):
+        cell[...] = every
+
+
+def test_a_bare_ref_at_two_places_is_not_state_of_the_model():
+    """Review finding: the one shared-ref check, given a tree, also refused a bare
+    ref (not in a cell) at two places, which `es.freeze` does not touch."""
+    r = jax.new_ref(jnp.zeros(3))
+    frozen = es.freeze({"a": r, "b": r})
+    assert frozen["a"] is r and frozen["b"] is r

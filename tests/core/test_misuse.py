@@ -1526,7 +1526,11 @@ def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
         with pytest.raises((TypeError, ValueError), match=match) as e:
             call()
         assert isinstance(e.value, es.EqxStateError), match
-    # an int64 beyond int32 as a cell's initial value was wrapped (2**40 read 0)
+    # an int64 beyond int32 as a cell's initial value was wrapped (2**40 read 0),
+    # and recorded as 3 by `Record("max")` (2**40 + 3): NumPy's cast shows the wrap
+    assert np.asarray([2**40 + 3], np.int64).astype(np.int32)[0] == 3
     with pytest.raises(ValueError, match="does not fit int32") as e:
         es.Buffer(np.int64(2**40))
     assert isinstance(e.value, es.EqxStateError)
+    with pytest.raises(TypeError, match=r"Record\('max'\) got .*does not fit int32"):
+        es.apply(lambda r: r(np.asarray([2**40 + 3])), es.nn.Record("max"))
