@@ -103,6 +103,25 @@ def first_call(runner, step, model, opt_state, *stacked):
     return step.own(model, opt_state)(*(a[0] for a in stacked))
 
 
+def call_runner(runner, bad, extra=None):
+    """Give `bad` (a model) to `runner`: a training runner (its first call), a
+    forward-only one (`apply`, `make_apply`, `make_apply.scan`), or one of `extra`
+    (name -> a function of the model, the first batch and the stacked batches)."""
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(Net(jax.random.key(0)))
+    xs, ys = data()
+    apply = es.make_apply(forward)
+    calls = {
+        "apply": lambda: es.apply(forward, bad, xs[0]),
+        "make_apply": lambda: apply(bad, xs[0]),
+        "make_apply.scan": lambda: apply.scan(bad, xs),
+        **{k: (lambda f=f: f(bad, xs[0], xs)) for k, f in (extra or {}).items()},
+    }
+    if runner in calls:
+        return calls[runner]()
+    return first_call(runner, step, bad, opt_state, xs, ys)
+
+
 def reference(opt, lrs=None):
     """The same K steps, threaded by hand in pure JAX over the same layers (with
     `lrs`: the learning rate of an `optax.inject_hyperparams` state set before each
@@ -697,23 +716,10 @@ def test_a_cell_holding_no_array_is_named_alike_by_every_runner(runner, value):
     takes."""
     model = Net(jax.random.key(0))
     bad = eqx.tree_at(lambda m: m.bn.num_batches_tracked.value, model, value)
-    step = es.make_step(loss_fn, optax.sgd(0.1))
-    opt_state = step.init(model)
-    xs, ys = data()
-    apply = es.make_apply(forward)
-    calls = {
-        "apply": lambda: es.apply(forward, bad, xs[0]),
-        "make_apply": lambda: apply(bad, xs[0]),
-        "make_apply.scan": lambda: apply.scan(bad, xs),
-        "to_refs": lambda: es.to_refs(bad),
-    }
     with pytest.raises(
         TypeError, match=r"cell `model\.bn\.num_batches_tracked` holds .* as its value"
     ) as caught:
-        if runner in calls:
-            calls[runner]()
-        else:
-            first_call(runner, step, bad, opt_state, xs, ys)
+        call_runner(runner, bad, {"to_refs": lambda m, x, xs: es.to_refs(m)})
     assert isinstance(caught.value, es.EqxStateError)
 
 
@@ -814,16 +820,6 @@ def test_a_cell_replaced_by_a_plain_value_is_named_alike_by_every_runner(
     model = es.to_refs(model) if mode == "ref" else model
     new = jnp.full(8, 0.5) if replacement == "array" else 0.5
     bad = eqx.tree_at(lambda m: m.bn.running_mean, model, new)
-    step = es.make_step(loss_fn, optax.sgd(0.1))
-    opt_state = step.init(model)
-    xs, ys = data()
-    apply = es.make_apply(forward)
-    calls = {
-        "apply": lambda: es.apply(forward, bad, xs[0]),
-        "make_apply": lambda: apply(bad, xs[0]),
-        "make_apply.scan": lambda: apply.scan(bad, xs),
-        "eager": lambda: forward(bad, xs[0]),
-    }
     kind = r"an array of shape \(8,\)" if replacement == "array" else "a float"
     match = (
         rf"`model\.bn\.running_mean` holds {kind}, but its layer keeps a state "
@@ -836,11 +832,9 @@ def test_a_cell_replaced_by_a_plain_value_is_named_alike_by_every_runner(
             r"`eqx\.tree_at\(lambda layer: layer\.running_mean\.value, layer, array\)`"
         )
     with pytest.raises(TypeError, match=match) as caught:
-        if runner in calls:
-            calls[runner]()
-        else:
-            first_call(runner, step, bad, opt_state, xs, ys)
+        call_runner(runner, bad, {"eager": lambda m, x, xs: forward(m, x)})
     assert isinstance(caught.value, es.EqxStateError)
+    xs, _ = data()
     if mode == "ref":  # `bad` shares the other cells' refs: nothing was written
         before = arrays(Net(jax.random.key(0)))
         for a, b in zip(arrays(model), before, strict=True):
