@@ -19,6 +19,7 @@ from jaxtyping import Array, ArrayLike, Float, Real
 
 from .._buffer import (
     MetricState,
+    _exact_widening,
     _LayerBase,
     check_cell_dtype,
     describe,
@@ -426,8 +427,8 @@ def _check_same_kind(metric: str, dtype: Any, name: str, src: Any, weak: bool):
     if weak or src == dst:
         return
     integer = _kind(dst) == 1
-    if integer:  # NumPy's lattice, exact (JAX's, without x64, takes int64 as int32)
-        if np.promote_types(src, dst) == dst:
+    if integer:  # the rule of a cell write: a range that holds the input's
+        if _exact_widening(src, dst):
             return
     elif jnp.promote_types(src, dst) == dst or dst.itemsize >= 4:
         return

@@ -461,7 +461,8 @@ def test_an_ensemble_consumed_under_eager_vmap_is_named_stale(runner, mode):
         args = (models, x)
     call(*args)  # consumes the ensemble's arrays
     if runner == "make_apply" and mode == "ref":  # its refs are written in place:
-        call(*args)  # nothing was consumed
+        call(*args)  # nothing was consumed: both calls wrote every member's cells
+        assert models.bn.num_batches_tracked[...].tolist() == [2, 2]
         return
     with pytest.raises(es.StaleModelError, match=r"^The model holds.*Consumed: `"):
         call(*args)
