@@ -234,15 +234,24 @@ def check_dtype(where: str, name: str, dtype: object) -> Any:
         return np.dtype(np.float32)
     # an array (or NumPy scalar) is a value, not a type: `jnp.dtype` would take
     # its dtype (`dtype=jnp.asarray(3)` an int32)
-    is_value = isinstance(dtype, jax.Array | np.ndarray | np.generic)
+    is_value = isinstance(
+        dtype, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct
+    )
     try:
         if is_value:
             raise TypeError
-        return jax.numpy.dtype(dtype)  # type: ignore[arg-type]
+        out = jax.numpy.dtype(dtype)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
         raise StateTypeError(
             f"{where}: {name} must be a dtype (e.g. `jnp.float32`), got {dtype!r}."
         ) from e
+    numeric = jax.numpy.issubdtype(out, jax.numpy.number) or out == np.bool_
+    if not numeric:  # object, str, bytes, datetime: no JAX array holds them
+        raise StateTypeError(
+            f"{where}: {name} must be a numeric dtype a JAX array can hold (e.g. "
+            f"`jnp.float32`), got {out}."
+        )
+    return out
 
 
 def check_shape(where: str, name: str, shape: object) -> tuple[int, ...]:
@@ -256,6 +265,32 @@ def check_shape(where: str, name: str, shape: object) -> tuple[int, ...]:
     if any(d < 0 for d in dims):
         raise StateValueError(f"{where}: {name} must be non-negative, got {dims}.")
     return dims
+
+
+def check_axis_name(where: str, value: object) -> Any:
+    """The one check of an `axis_name=` argument: `None`, a name (a string or
+    another hashable object), or a tuple of names; else a `StateTypeError`
+    naming `where`. A list is unhashable (the layer's options are static, and
+    `jax.jit` hashes them), and a whole number is not a name: JAX's collectives
+    read `psum(x, 3)` as positional axis 3 of the value."""
+    names = value if isinstance(value, tuple) else (value,)
+    if value is None:
+        return None
+    for name in names:
+        try:
+            hash(name)
+            hashable = True
+        except TypeError:
+            hashable = False
+        if not hashable or isinstance(name, int | np.integer | tuple) or name is None:
+            raise StateTypeError(
+                f'{where}: axis_name must be a name (a string such as "batch", '
+                "the name given to `jax.vmap`, `es.vmap`, `jax.shard_map` or a "
+                f"mesh) or a tuple of names, got {value!r}. A list is not hashable; "
+                "a number is not a name (JAX's collectives read it as a positional "
+                "axis of the value)."
+            )
+    return value
 
 
 def check_real(where: str, name: str, value: object, hint: str = "") -> float:

@@ -32,6 +32,7 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_axis_name,
     check_dtype,
     check_int,
     check_shape,
@@ -739,6 +740,7 @@ class Metric(_LayerBase):
                 setattr(cls, name, eqx.field(default_factory=factory))
 
     def __check_init__(self):
+        check_axis_name(type(self).__name__, self.axis_name)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name, None)
             if isinstance(v, MetricState) and not isinstance(v, Statistic):

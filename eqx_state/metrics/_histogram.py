@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real, Shaped
 
 from .._buffer import MetricState
-from .._errors import StateTypeError, StateValueError
+from .._errors import StateTypeError, StateValueError, check_real as _check_real
 from ._base import (
     Metric,
     _check_dtype,
@@ -263,12 +263,14 @@ class Histogram(Metric):
         dtype=jnp.float32,
     ):
         bins = _check_int("Histogram", "bins", bins, 1)
-        try:
-            low, high = (float(r) for r in range)
-        except (TypeError, ValueError):
+        if not (isinstance(range, tuple | list) and len(range) == 2):
             raise StateValueError(
                 f"Histogram: range must be a pair (low, high), got {range!r}."
-            ) from None
+            )
+        # each edge a real number (not a string float() would parse, not a bool)
+        low, high = (
+            _check_real("Histogram", f"range[{i}]", r) for i, r in enumerate(range)
+        )
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise StateValueError(
                 f"Histogram: range must be finite with low < high, got {range!r}."

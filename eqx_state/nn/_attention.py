@@ -283,9 +283,13 @@ def with_kv_cache(
     if batch_size is not None:
         batch_size = check_int("with_kv_cache", "batch_size", batch_size, 1)
 
+    found = 0
+
     def one(path: Any, x: Any) -> Any:
+        nonlocal found
         if not _is_attn(x):
             return x
+        found += 1
         _check_stacked(model_path(path), x, batch_size)
         cache = KVCache(
             max_len,
@@ -300,7 +304,17 @@ def with_kv_cache(
             )
         return eqx.tree_at(lambda a: a.cache, x, cache, is_leaf=lambda c: c is None)
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_attn)
+    out = jax.tree_util.tree_map_with_path(one, model, is_leaf=_is_attn)
+    if not found:
+        # a silent no-op would decode with the full causal forward on each chunk:
+        # every token attending only to its own chunk, a wrong number, no error
+        raise StateValueError(
+            f"with_kv_cache: found no es.nn.CausalSelfAttention in the "
+            f"{type(model).__name__} given, so there is nothing to give a cache. "
+            "Build the model's attention from es.nn.CausalSelfAttention (other "
+            "attention layers keep no cache), or give a KVCache to your own layer."
+        )
+    return out
 
 
 def _check_stacked(where: str, attn: CausalSelfAttention, batch_size: int | None):

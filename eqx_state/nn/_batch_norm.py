@@ -21,6 +21,7 @@ from .._buffer import (
 from .._errors import (
     StateTypeError,
     StateValueError,
+    check_axis_name,
     check_bool,
     check_dtype,
     check_int,
@@ -218,7 +219,7 @@ class BatchNorm(_LayerBase):
             eps=float(eps),
             momentum=None if momentum is None else float(momentum),
             channel_axis=int(channel_axis),
-            axis_name=axis_name,
+            axis_name=check_axis_name("BatchNorm", axis_name),
             zero_debias=zero_debias,
             unbiased_running_var=unbiased_running_var,
         )

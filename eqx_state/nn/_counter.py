@@ -141,4 +141,8 @@ def saturating_add(count: Array, n: ArrayLike) -> Array:
     (`1 / count`, `n / (count + n)`) with it."""
     top = jnp.asarray(jnp.iinfo(count.dtype).max, count.dtype)
     n = jnp.asarray(n, count.dtype)
-    return jnp.where(count > top - n, top, count + n)
+    total = count + n
+    # `jnp.where(count > top - n, top, total)`, as one `select`: `jnp.where` is a
+    # jitted function, a nested call in every compiled step (one per BatchNorm)
+    full = count > top - n
+    return jax.lax.select(full, jax.lax.full_like(total, top), total)

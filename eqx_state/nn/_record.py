@@ -17,6 +17,7 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_axis_name,
     check_bool,
     check_dtype,
     check_shape,
@@ -328,6 +329,7 @@ class Record(Recorder):
         inference: bool = False,
         **metrics: Any,
     ):
+        axis_name = check_axis_name("Record", axis_name)  # before its metrics get it
         if not statistics and not metrics:
             raise StateValueError(
                 "Record needs at least one statistic, e.g. "
@@ -458,7 +460,9 @@ class Record(Recorder):
             mapped = mapped_axes()
             per_example = self.axis_name is not None and all(a in mapped for a in names)
             axes = () if per_example else (0,)
-        axes = tuple(a % x.ndim if x.ndim else a for a in axes)
+        # a negative axis counts from the end, as NumPy's; 5 on a 2-d value is
+        # out of range (not 5 % 2: a modulus took another axis as the batch)
+        axes = tuple(a + x.ndim if a < 0 else a for a in axes)
         if any(not 0 <= a < x.ndim for a in axes) or len(set(axes)) != len(axes):
             raise StateValueError(
                 f"Record('dead_fraction', batch_axis={self.batch_axis}) got a value "
@@ -641,7 +645,7 @@ class Capture(Recorder):
         self.count = RecordState(jnp.zeros((), jnp.int32), init=0)
         self.inference = check_bool(type(self).__name__, "inference", inference)
         self.shape = shape
-        self.axis_name = axis_name
+        self.axis_name = check_axis_name("Capture", axis_name)
 
     @property
     def last(self) -> Array:

@@ -13,6 +13,7 @@ from .._errors import (
     StateTypeError,
     StateValueError,
     StateWriteError,
+    check_axis_name,
     check_bool,
     check_int,
     check_real,
@@ -301,7 +302,7 @@ class Dropout(_LayerBase):
             )
         self.p = float(p)
         self.rng = Rng(key) if key is not None else None
-        self.axis_name = axis_name
+        self.axis_name = check_axis_name("Dropout", axis_name)
         self.inference = inference
 
     def __call__(

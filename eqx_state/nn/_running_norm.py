@@ -14,6 +14,7 @@ from .._buffer import BatchStat, _LayerBase, check_cell_dtype
 from .._errors import (
     StateTypeError,
     StateValueError,
+    check_axis_name,
     check_bool,
     check_dtype,
     check_real,
@@ -157,7 +158,7 @@ class RunningNorm(_LayerBase):
         self.shape = shape
         self.eps = float(eps)
         self.clip = clip
-        self.axis_name = axis_name
+        self.axis_name = check_axis_name("RunningNorm", axis_name)
         self.inference = inference
         self.mean = BatchStat(jnp.zeros(shape, dtype), init=0)
         self.var = BatchStat(jnp.ones(shape, dtype), init=1)

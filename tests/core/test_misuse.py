@@ -1483,20 +1483,41 @@ def _dtype_builders():
 
 @pytest.mark.parametrize(
     "bad",
-    ["float33", 3, jnp.asarray(3.0), np.float32(1.0), np.bool_(True), [np.float32]],
-    ids=["string", "int", "jax array", "numpy scalar", "numpy bool", "list"],
+    [
+        "float33",
+        3,
+        jnp.asarray(3.0),
+        np.float32(1.0),
+        np.bool_(True),
+        [np.float32],
+        object,
+        "U3",
+        jax.ShapeDtypeStruct((3,), jnp.float32),
+    ],
+    ids=[
+        "string",
+        "int",
+        "jax array",
+        "numpy scalar",
+        "numpy bool",
+        "list",
+        "object",
+        "str dtype",
+        "ShapeDtypeStruct",
+    ],
 )
 def test_every_dtype_option_takes_a_type_and_refuses_a_value(bad):
     """A `dtype=` goes through the one check: an array or a NumPy scalar is a
     value, not a type (`jnp.dtype` took its dtype: `Mean(dtype=jnp.asarray(3.0))`
     made float32 statistics), and `CausalSelfAttention` and `EMA`'s
-    `accumulation_dtype` gave JAX's or NumPy's own errors. Each refusal is a
-    `TypeError` of the library's naming the builder and the option; a real type
-    is taken by all."""
+    `accumulation_dtype` gave JAX's or NumPy's own errors; `object` or a string
+    dtype, which no JAX array holds, and a `ShapeDtypeStruct`, a spec rather than
+    a type, were taken. Each refusal is a `TypeError` of the library's naming the
+    builder and the option; a real type is taken by all."""
     for case, build in _dtype_builders().items():
         builder, option = case.split(" ")
         with pytest.raises(
-            TypeError, match=rf"{builder}: {option} must be a dtype"
+            TypeError, match=rf"{builder}: {option} must be a (numeric )?dtype"
         ) as e:
             build(bad)
         assert isinstance(e.value, es.EqxStateError), case
@@ -1520,6 +1541,26 @@ def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
         (
             lambda: es.apply(lambda m: m.update("abc"), es.metrics.Mean()),
             r"Mean.update: `values` got 'abc'",
+        ),
+        # float() parsed a string edge; a bool was an edge of 1.0
+        (lambda: es.metrics.Histogram(2, range=(0, "1")), r"range\[1\] must be a real"),
+        (
+            lambda: es.metrics.Histogram(2, range=(False, 1)),
+            r"range\[0\] must be a real",
+        ),
+        # a list was taken at build time (it is not hashable; JAX's psum read [3]
+        # as positional axis 3 at the first call), an int is read the same way
+        (lambda: es.nn.BatchNorm(3, axis_name=[3]), "BatchNorm: axis_name must be"),
+        (lambda: es.nn.RunningNorm(3, axis_name=0), "RunningNorm: axis_name must"),
+        (lambda: es.metrics.Mean(axis_name=["b"]), "Mean: axis_name must be"),
+        (lambda: es.nn.Record("mean", axis_name=("b", 1)), "Record: axis_name must"),
+        # batch_axis=5 of a 2-d value was taken as axis 5 % 2 = 1 (a wrong number)
+        (
+            lambda: es.apply(
+                lambda r: r(jnp.ones((2, 3))),
+                es.nn.Record("dead_fraction", batch_axis=5),
+            ),
+            r"batch_axis=\(5,\)\) got a value of shape \(2, 3\)",
         ),
     ]
     for call, match in cases:

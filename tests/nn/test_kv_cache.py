@@ -1057,3 +1057,18 @@ def test_low_precision_attention_is_as_accurate_as_torchs(dtype):
     theirs = sdpa(exact, getattr(torch, dtype))
     err, their_err = np.abs(got - want).max(), np.abs(theirs - want).max()
     assert err <= 1.25 * their_err, (err, their_err)
+
+
+def test_with_kv_cache_on_a_model_without_attention_is_refused():
+    # a silent no-op would leave the model decoding each chunk without its past
+    mlp = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="found no es.nn.CausalSelfAttention") as e:
+        es.nn.with_kv_cache(mlp, 8)
+    assert isinstance(e.value, es.EqxStateError)
+    eqx_attn = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="MultiheadAttention"):
+        es.nn.with_kv_cache(eqx_attn, 8)
+    # one attention layer anywhere in the model is enough
+    attn = es.nn.CausalSelfAttention(8, num_heads=2, key=jax.random.key(0))
+    cached = es.nn.with_kv_cache([mlp, attn], 8)
+    assert cached[1].cache is not None
