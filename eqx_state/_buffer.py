@@ -786,6 +786,11 @@ def host_value(
                 f"{what} got a {type(x).__name__} JAX cannot stack into an array: "
                 f"{e}. {wants}"
             ) from e
+    if isinstance(x, np.ma.MaskedArray):  # np.asarray drops the mask
+        raise (type_error or error)(
+            f"{what} got a NumPy masked array: the data under its mask would be "
+            f"taken as values. Fill it first (`x.filled(value)`). {wants}"
+        )
     try:
         host = np.asarray(x)
     except Exception as e:  # a ragged list, an object refusing conversion

@@ -241,6 +241,14 @@ def _incoming(value: Any, name: str) -> Any:
     """A state-dict value as a NumPy or JAX array (no copy yet)."""
     if isinstance(value, jax.Array):
         return value
+    if isinstance(value, np.ma.MaskedArray):
+        # np.asarray drops the mask: the masked entries' stale data would load
+        raise StateTypeError(
+            f"state_dict[{name!r}] is a NumPy masked array: its mask has no place "
+            "in the model, and loading would take the data under it as values. "
+            "Fill the masked entries first (`value.filled(fill_value)`) or pass "
+            "`value.data` if the mask means nothing."
+        )
     if isinstance(value, (np.ndarray, np.generic)):
         return np.asarray(value)
     mod = type(value).__module__ or ""

@@ -154,7 +154,7 @@ class Accuracy(Metric):
             with `ignore_index=-1`.)
         """
         _check_inputs("Accuracy", self.total.dtype, sample_weight=sample_weight)
-        given, y = labels, as_label_array(labels)
+        given, y = labels, as_label_array(labels, "Accuracy.update: `labels`")
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         logits, preds, labels = _split_inputs(
             "Accuracy",

@@ -347,8 +347,8 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
     do not hold (uint32 into int32 statistics), or a Python int out of their range.
     By dtype (no runtime cost), except a concrete Python int, checked by value."""
     for name, x in inputs.items():
-        if x is None:
-            continue
+        if x is None and name in ("sample_weight", "mask"):
+            continue  # None: the optional input is absent (required ones go on)
         if _kind(dtype) == 1 and isinstance(x, int) and not isinstance(x, bool):
             _check_in_range(metric, dtype, name, x, x)  # a Python int is cast
         if (

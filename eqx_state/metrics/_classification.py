@@ -162,7 +162,7 @@ class _ConfusionMetric(Metric):
                 "probabilities makes a binary prediction; build the metric with "
                 "num_classes=2, or multilabel=True for one probability per label."
             )
-        y = as_label_array(labels)
+        y = as_label_array(labels, f"{name}.update: `labels`")
         counted = None if mask is None else _fit("mask", _truthy(mask), y.shape)
         ignored = _ignored(labels, self.ignore_index)
         if ignored is not None and not self._logits_rule_sees_ignored:
@@ -205,7 +205,8 @@ class _ConfusionMetric(Metric):
 
     def _update_multilabel(self, x, labels, sample_weight, mask) -> None:
         name = type(self).__name__
-        x, y = as_label_array(x), as_label_array(labels)
+        x = as_label_array(x, f"{name}.update: `logits_or_preds`")
+        y = as_label_array(labels, f"{name}.update: `labels`")
         refuse_complex_scores(name, x)
         y = _as_labels(f"{name}.update: `labels`", y)
         if x.shape != y.shape or x.ndim < 1 or x.shape[-1] != self.num_classes:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real, Shaped
 
-from .._buffer import MetricState
+from .._buffer import MetricState, host_value
 from .._errors import StateTypeError, StateValueError, check_real as _check_real
 from ._base import (
     Metric,
@@ -318,7 +318,12 @@ class Histogram(Metric):
         """
         dtype = self.counts.dtype
         _check_inputs("Histogram", dtype, sample_weight=sample_weight)
-        x = jnp.asarray(values)
+        x = host_value(
+            values,
+            "Histogram.update: `values`",
+            "Give an array of numbers.",
+            StateTypeError,
+        )
         if x.dtype == jnp.bool_:
             x = x.astype(jnp.int32)
         elif jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike
 
+from .._buffer import host_value
 from .._errors import StateTypeError, StateValueError, check_real, is_whole
 
 
@@ -46,17 +47,19 @@ def _as_labels(what: str, x: Array) -> Array:
 _INT32 = np.iinfo(np.int32)
 
 
-def as_label_array(x: Any) -> Array:
-    """`jnp.asarray(x)` for labels and predicted labels: a NumPy integer array
-    wider than int32 is first clamped to int32's bounds in NumPy (with x64 off,
-    `jnp.asarray` would wrap `2**32 + 1` into class 1), as `_as_labels` clamps a
-    JAX one; other inputs are converted as they are."""
+def as_label_array(x: Any, what: str) -> Array:
+    """`jnp.asarray(x)` for labels, predicted labels and scores (`what` names the
+    input in errors): a NumPy integer array wider than int32 is first clamped to
+    int32's bounds in NumPy (with x64 off, `jnp.asarray` would wrap `2**32 + 1`
+    into class 1), as `_as_labels` clamps a JAX one; other inputs go through the
+    one conversion of user values (`host_value`: None, a string or a masked array
+    is refused by name)."""
     if isinstance(x, np.ndarray | np.generic) and np.issubdtype(x.dtype, np.integer):
         info = np.iinfo(x.dtype)  # pyright: ignore[reportCallIssue, reportArgumentType]
         if info.max > _INT32.max:
             low = max(int(info.min), int(_INT32.min))
             x = np.clip(x, low, int(_INT32.max)).astype(np.int32)
-    return jnp.asarray(x)
+    return host_value(x, what, "Give an array of labels or scores.", StateTypeError)
 
 
 def refuse_complex_scores(metric: str, x: Array) -> None:
@@ -182,9 +185,10 @@ def _split_inputs(
     when it has the labels' shape, a floating dtype, and `threshold` is set (logits
     of the positive class too: see `_as_probabilities`, which decides over the
     entries where `counted` is true, all by default)."""
-    x = as_label_array(logits_or_preds)
+    x = as_label_array(logits_or_preds, f"{metric}.update: `logits_or_preds`")
     refuse_complex_scores(metric, x)
-    y = _as_labels(f"{metric}.update: `labels`", as_label_array(labels))
+    where = f"{metric}.update: `labels`"
+    y = _as_labels(where, as_label_array(labels, where))
     if x.ndim == y.ndim + 1 and x.shape[:-1] == y.shape:
         if x.shape[-1] == 1:
             # one class: every prediction would be class 0 (a model's [B, 1]

@@ -1554,6 +1554,44 @@ def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
         (lambda: es.nn.RunningNorm(3, axis_name=0), "RunningNorm: axis_name must"),
         (lambda: es.metrics.Mean(axis_name=["b"]), "Mean: axis_name must be"),
         (lambda: es.nn.Record("mean", axis_name=("b", 1)), "Record: axis_name must"),
+        # None for a required input gave JAX's "None is not a valid value"
+        (
+            lambda: es.apply(lambda m: m.update(None), es.metrics.Mean()),
+            "Mean.update: `values` got None",
+        ),
+        (
+            lambda: es.apply(
+                lambda m: m.update(jnp.zeros((2, 3)), None), es.metrics.Accuracy()
+            ),
+            "Accuracy.update: `labels` got None",
+        ),
+        (
+            lambda: es.apply(
+                lambda m: m.update(None, jnp.zeros(2, int)),
+                es.metrics.F1(num_classes=3, average="macro"),
+            ),
+            "F1.update: `logits_or_preds` got None",
+        ),
+        (
+            lambda: es.apply(
+                lambda m: m.update(None), es.metrics.Histogram(2, range=(0, 1))
+            ),
+            "Histogram.update: `values` got None",
+        ),
+        # np.asarray dropped the mask: the data under it was loaded as values
+        (
+            lambda: es.load_state_dict(
+                bn, {**sd, "running_mean": np.ma.masked_array(np.ones(3), [0, 1, 0])}
+            ),
+            r"state_dict\['running_mean'\] is a NumPy masked array",
+        ),
+        (
+            lambda: es.apply(
+                lambda m: m.update(np.ma.masked_array([1.0, 9.0], [0, 1])),
+                es.metrics.Mean(),
+            ),
+            "Mean.update: `values` got a NumPy masked array",
+        ),
         # batch_axis=5 of a 2-d value was taken as axis 5 % 2 = 1 (a wrong number)
         (
             lambda: es.apply(
