@@ -750,6 +750,12 @@ def _write_value(buf: Buffer, new: Any) -> Any:
     """The value a write gives, as a JAX array (`host_value`), or an error naming
     the cell."""
     dtype = buf.value.dtype
+    if _is_ref(new):  # `a[...] = b.value` of a ref-mode cell `b`: its ref, not a value
+        raise StateWriteError(
+            f"A write into the {describe(buf)} got a ref (another ref-mode cell's "
+            "`.value`, or a `jax.new_ref`): a cell takes a value. Read the other "
+            "cell first: `cell[...] = other[...]`."
+        )
     return host_value(
         new,
         f"A write into the {describe(buf)}",

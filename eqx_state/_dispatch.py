@@ -1483,8 +1483,19 @@ def _roles(carry: tuple) -> list[str]:
 
 
 def all_but_witnesses(carry: tuple) -> list[bool]:
-    """Donation policy of a step: it replaces every leaf but cells' witnesses."""
-    return [r != "witness" for r in _roles(carry)]
+    """Donation policy of a step (carry `(model, opt_state)`): it replaces every
+    leaf but cells' witnesses, and donates them all except the optimizer state's
+    scalars. `optax.inject_hyperparams` keeps a typed hyperparameter it is given
+    (`learning_rate=jnp.asarray(0.1, jnp.float32)`) in the state as that same
+    array, and in its closure: donated by the first step, it was deleted under
+    the optimizer, and every later `optimizer.init` failed. A scalar kept costs
+    one scalar output buffer per step."""
+    n_model = len(jax.tree_util.tree_leaves(carry[:1]))
+    rest = jax.tree_util.tree_leaves(carry[1:])
+    scalar = [False] * n_model + [getattr(x, "ndim", None) == 0 for x in rest]
+    return [
+        r != "witness" and not s for r, s in zip(_roles(carry), scalar, strict=True)
+    ]
 
 
 def cells_only(carry: tuple) -> list[bool]:

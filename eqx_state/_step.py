@@ -612,7 +612,11 @@ def make_step(
         and no update (not from weight decay, not from momentum). `step.init` builds
         the optimizer state for the selected parameters only.
     - `donate`: donate the buffers the step replaces (parameters, optimizer state,
-        value-mode state), as hand-written JAX does with `donate_argnums`. The model
+        value-mode state), as hand-written JAX does with `donate_argnums`, except
+        the optimizer state's scalars: `optax.inject_hyperparams` keeps a typed
+        hyperparameter it was given (`jnp.float32(1e-3)`) in the state as that
+        same array, so a state made by hand, `optimizer.init(es.params(model))`,
+        would lose it from under the optimizer. The model
         and optimizer state passed in are then consumed — also when the compiled
         program fails at run time (an `eqx.error_if` check): keep a checkpoint, or
         pass `donate=False` to keep them valid (e.g. while debugging). A step

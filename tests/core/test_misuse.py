@@ -1578,6 +1578,15 @@ def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
             ),
             "Histogram.update: `values` got None",
         ),
+        # another cell's `.value` (a ref, in ref mode or inside a call) gave JAX's
+        # error about refs
+        (
+            lambda: es.apply(
+                lambda m: m[0].__setitem__(..., m[1].value),
+                (es.Buffer(jnp.zeros(3)), es.Buffer(jnp.ones(3))),
+            ),
+            r"A write into the Buffer cell at `model\[0\]` .* got a ref",
+        ),
         # np.asarray dropped the mask: the data under it was loaded as values
         (
             lambda: es.load_state_dict(

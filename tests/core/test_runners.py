@@ -723,21 +723,28 @@ def test_a_cell_holding_no_array_is_named_alike_by_every_runner(runner, value):
     assert isinstance(caught.value, es.EqxStateError)
 
 
+@pytest.mark.parametrize("init", ["step.init", "optimizer.init"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_an_array_given_to_the_optimizer_outlives_the_first_step(runner, mode):
+def test_an_array_given_to_the_optimizer_outlives_the_first_step(runner, mode, init):
     """`optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3))`:
     optax's eager `init` puts that array itself into the state, and the first step
     donated it, so the optimizer held a deleted array and every later
     `step.init` failed with JAX's "deleted or donated". `step.init` builds the
-    state in new buffers: the array lives on, and a second `init` equals optax's
-    own `init` of the new parameters."""
+    state in new buffers, and a step does not donate the optimizer state's
+    scalars (a state made by hand, `optimizer.init(es.params(model))`, holds the
+    array itself): the array lives on, and a second `init` equals optax's own
+    `init` of the new parameters."""
     lr = jnp.float32(0.05)
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
     model = Net(jax.random.key(0))
     model = es.to_refs(model) if mode == "ref" else model
     step = es.make_step(loss_fn, optimizer)
-    opt_state = step.init(model)
+    if init == "step.init":
+        opt_state = step.init(model)
+    else:
+        opt_state = optimizer.init(es.params(model))
+        assert opt_state.hyperparams["learning_rate"] is lr  # why it matters
     xs, ys = data()
     if runner == "own":
         loop = step.own(model, opt_state)
