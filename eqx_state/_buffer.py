@@ -752,9 +752,10 @@ def _write_value(buf: Buffer, new: Any) -> Any:
     dtype = buf.value.dtype
     if _is_ref(new):  # `a[...] = b.value` of a ref-mode cell `b`: its ref, not a value
         raise StateWriteError(
-            f"A write into the {describe(buf)} got a ref (another ref-mode cell's "
-            "`.value`, or a `jax.new_ref`): a cell takes a value. Read the other "
-            "cell first: `cell[...] = other[...]`."
+            f"A write into the {describe(buf)} got a ref (another cell's `.value`, "
+            "which is a ref in ref mode and while a step or `es.apply` runs, or a "
+            "`jax.new_ref`): a cell takes a value. Read the other cell first: "
+            "`cell[...] = other[...]`."
         )
     return host_value(
         new,
@@ -770,15 +771,19 @@ def host_value(
     wants: str,
     error: type[Exception],
     type_error: type[Exception] | None = None,
+    inf_ok: bool = False,
 ) -> jax.Array:
     """`x` as a JAX array (a JAX array or tracer as it is), or an error saying `what`
     got it and what it `wants`: `type_error` (default `error`) for a value that is
     not numeric (None, a string), `error` for a host value (a Python or NumPy number or array) that JAX's conversion
     would change, not just round: with 64-bit types off JAX keeps NumPy's 64-bit
     values in 32 bits, wrapping an integer that does not fit (`np.int64(2**33 + 5)`
-    becomes 5) and turning a float beyond float32's range into `inf`. The one
-    conversion of user values that state is written from (cell writes,
-    `KVCache.truncate`)."""
+    becomes 5) and turning a float beyond float32's range into `inf`. With
+    `inf_ok`, that float is taken as the `inf` it becomes: for inputs only
+    compared or ranked (scores, a histogram's values), where `inf` keeps its order.
+    A NumPy masked array is refused (NumPy's conversion drops the mask, JAX's
+    refuses it). The one conversion of user values that state is written from
+    (cell writes, initial values, metric inputs, `KVCache.truncate`)."""
     if isinstance(x, jax.Array | Tracer) or _is_ref(x):
         return x
     if isinstance(x, list | tuple) and any(
@@ -792,7 +797,7 @@ def host_value(
                 f"{what} got a {type(x).__name__} JAX cannot stack into an array: "
                 f"{e}. {wants}"
             ) from e
-    if isinstance(x, np.ma.MaskedArray):  # np.asarray drops the mask
+    if isinstance(x, np.ma.MaskedArray):  # np.asarray drops the mask; JAX refuses
         raise (type_error or error)(
             f"{what} got a NumPy masked array: the data under its mask would be "
             f"taken as values. Fill it first (`x.filled(value)`). {wants}"
@@ -816,6 +821,8 @@ def host_value(
             changed = bool(np.any(np.isfinite(host) & ~np.isfinite(narrowed)))
         else:
             changed = not np.array_equal(narrowed.astype(host.dtype), host)
+        if changed and inf_ok and host.dtype.kind == "f":
+            return jnp.asarray(narrowed)  # the infs, cast here without a warning
         if changed:
             given = (
                 "a Python number"

@@ -105,6 +105,12 @@ class StateTypeError(EqxStateError, TypeError):
     """An argument of the wrong type."""
 
 
+class StateInputError(StateTypeError, ValueError):
+    """An input that is not a number or an array of numbers (None, a string, a
+    masked array): a `TypeError`, and a `ValueError` as JAX's conversion raised
+    for some of them (None), so `except` clauses of either kind keep working."""
+
+
 class StateNotImplementedError(EqxStateError, NotImplementedError):
     """A method a subclass must define (e.g. a custom metric's `update`)."""
 

@@ -241,8 +241,9 @@ def _incoming(value: Any, name: str) -> Any:
     """A state-dict value as a NumPy or JAX array (no copy yet)."""
     if isinstance(value, jax.Array):
         return value
-    if isinstance(value, np.ma.MaskedArray):
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
         # np.asarray drops the mask: the masked entries' stale data would load
+        # (one with nothing masked, netCDF4's default, loads its data)
         raise StateTypeError(
             f"state_dict[{name!r}] is a NumPy masked array: its mask has no place "
             "in the model, and loading would take the data under it as values. "

@@ -28,6 +28,7 @@ from .._buffer import (
 )
 from .._compat import Tracer
 from .._errors import (
+    StateInputError,
     StateNotImplementedError,
     StateTypeError,
     StateValueError,
@@ -364,6 +365,7 @@ def _check_inputs(metric: str, dtype: Any, **inputs: Any) -> None:
             f"{metric}.update: `{name}`",
             "Give an array (or a number) its statistics hold.",
             StateTypeError,
+            StateInputError,
         )
         src = x.dtype
         if (

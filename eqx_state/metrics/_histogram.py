@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import equinox as eqx
@@ -25,7 +25,12 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real, Shaped
 
 from .._buffer import MetricState, host_value
-from .._errors import StateTypeError, StateValueError, check_real as _check_real
+from .._errors import (
+    StateInputError,
+    StateTypeError,
+    StateValueError,
+    check_real as _check_real,
+)
 from ._base import (
     Metric,
     _check_dtype,
@@ -219,7 +224,8 @@ class Histogram(Metric):
     **Arguments:**
 
     - `bins`: the number of bins (>= 1).
-    - `range`: `(low, high)`, finite, `low < high`: the lower edge of the first
+    - `range`: `(low, high)` (or a list or 1-d array of the two, e.g.
+        `np.percentile(x, [1, 99])`), finite, `low < high`: the lower edge of the first
         bin and the upper edge of the last, converted to Python floats: the bins
         are `numpy.histogram`'s for `range=(float(low), float(high))`. (Given
         float32 bounds, e.g. `(x.min(), x.max())` of a float32 array, numpy
@@ -257,19 +263,23 @@ class Histogram(Metric):
     def __init__(
         self,
         bins: int | np.integer,
-        range: tuple[float | int, float | int],
+        range: Sequence[float | int] | np.ndarray | jax.Array,
         *,
         axis_name: Hashable | None = None,
         dtype=jnp.float32,
     ):
         bins = _check_int("Histogram", "bins", bins, 1)
-        if not (isinstance(range, tuple | list) and len(range) == 2):
+        try:  # a tuple, a list, a 1-d array (`np.percentile(x, [1, 99])`)
+            pair = None if isinstance(range, str | bytes) else tuple(range)
+        except TypeError:
+            pair = None
+        if pair is None or len(pair) != 2:
             raise StateValueError(
                 f"Histogram: range must be a pair (low, high), got {range!r}."
             )
         # each edge a real number (not a string float() would parse, not a bool)
         low, high = (
-            _check_real("Histogram", f"range[{i}]", r) for i, r in enumerate(range)
+            _check_real("Histogram", f"range[{i}]", r) for i, r in enumerate(pair)
         )
         if not (math.isfinite(low) and math.isfinite(high) and low < high):
             raise StateValueError(
@@ -318,11 +328,13 @@ class Histogram(Metric):
         """
         dtype = self.counts.dtype
         _check_inputs("Histogram", dtype, sample_weight=sample_weight)
-        x = host_value(
+        x = host_value(  # a float64 beyond float32 becomes inf: still above the range
             values,
             "Histogram.update: `values`",
             "Give an array of numbers.",
             StateTypeError,
+            StateInputError,
+            inf_ok=True,
         )
         if x.dtype == jnp.bool_:
             x = x.astype(jnp.int32)

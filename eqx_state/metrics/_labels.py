@@ -24,7 +24,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 from .._buffer import host_value
-from .._errors import StateTypeError, StateValueError, check_real, is_whole
+from .._errors import (
+    StateInputError,
+    StateTypeError,
+    StateValueError,
+    check_real,
+    is_whole,
+)
 
 
 def _as_labels(what: str, x: Array) -> Array:
@@ -59,7 +65,16 @@ def as_label_array(x: Any, what: str) -> Array:
         if info.max > _INT32.max:
             low = max(int(info.min), int(_INT32.min))
             x = np.clip(x, low, int(_INT32.max)).astype(np.int32)
-    return host_value(x, what, "Give an array of labels or scores.", StateTypeError)
+    # a float64 score beyond float32 (a logit masked with `finfo.min`) becomes
+    # -inf, which ranks as it did: taken
+    return host_value(
+        x,
+        what,
+        "Give an array of labels or scores.",
+        StateTypeError,
+        StateInputError,
+        inf_ok=True,
+    )
 
 
 def refuse_complex_scores(metric: str, x: Array) -> None:

@@ -1524,6 +1524,48 @@ def test_every_dtype_option_takes_a_type_and_refuses_a_value(bad):
         build(jnp.float32)
 
 
+def test_what_the_new_refusals_still_take(monkeypatch):
+    """The other side of the probe's refusals (found by review): each of these
+    worked before and works now, against NumPy's and scikit-learn's numbers."""
+    from sklearn.metrics import accuracy_score
+
+    # a range from np.percentile (a 1-d array) is a pair
+    x = np.linspace(-2.0, 3.0, 11)
+    edges = np.percentile(x, [1, 99])
+    hist = es.metrics.Histogram(4, range=edges)
+    assert hist.range == (float(edges[0]), float(edges[1]))
+    # float64 scores beyond float32 (logits masked with finfo.min) rank as the
+    # -inf they become: scikit-learn's accuracy of the same argmax
+    scores = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
+    masked = np.where(scores > 0.5, scores, np.finfo(np.float64).min)
+    labels = np.array([1, 0, 0])
+    acc, _ = es.apply(
+        lambda m: (m.update(masked, labels), m.compute())[1],
+        es.metrics.Accuracy(),
+    )
+    assert float(acc) == pytest.approx(accuracy_score(labels, masked.argmax(-1)))
+    # a value beyond float32 is still counted above the histogram's range
+    values = np.array([0.1, 0.6, 1e40, -1e40])
+    (counts, above, below), _ = es.apply(
+        lambda m: (m.update(values), (m.counts[...], m.above[...], m.below[...]))[1],
+        es.metrics.Histogram(4, range=(0, 1)),
+    )
+    np.testing.assert_array_equal(counts, np.histogram(values, 4, (0, 1))[0])
+    assert (float(above), float(below)) == (1.0, 1.0)
+    # a state dict's masked array with nothing masked (netCDF4's default) loads
+    bn = es.nn.BatchNorm(3)
+    data = np.array([1.0, 2.0, 3.0], np.float32)
+    loaded = es.load_state_dict(
+        bn, {**es.state_dict(bn), "running_mean": np.ma.masked_array(data)}
+    )
+    np.testing.assert_array_equal(loaded.running_mean[...], data)
+    # a None input is refused as a TypeError and as the ValueError JAX raised
+    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)  # wrong input
+    with pytest.raises(ValueError, match="got None") as e:
+        es.apply(lambda m: m.update(None), es.metrics.Mean())
+    assert isinstance(e.value, TypeError) and isinstance(e.value, es.EqxStateError)
+
+
 def test_wrong_arguments_found_by_the_probe_are_refused_by_name(monkeypatch):
     """Each gave Python's, NumPy's or JAX's own error (or was taken: `strict="no"`
     ran as `strict=True`, `es.vmap(3)` failed only when called); now a `TypeError`
