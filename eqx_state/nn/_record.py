@@ -467,8 +467,9 @@ class Record(Recorder):
             raise StateValueError(
                 f"Record('dead_fraction', batch_axis={self.batch_axis}) got a value "
                 f"of shape {x.shape}: the batch axes must be distinct axes of the "
-                f"value, in [-{x.ndim}, {x.ndim}). A unit is dead when it is <= 0 for every example, so the "
-                "value needs its batch axis (record the batch, `[batch, features]`); "
+                f"value, in [-{x.ndim}, {x.ndim}). A unit is dead when it is <= 0 "
+                "for every example, so the value needs its batch axis (record the "
+                "batch, `[batch, features]`); "
                 "per-example code mapped with `es.vmap` takes `axis_name=` instead."
             )
         keep = jnp.ones(x.shape, bool)
