@@ -208,11 +208,12 @@ def _jsonable(x: Any) -> Any:
 
 
 def run_all(
-    names: Sequence[str], tiny: bool, out: Path, jobs: int
+    names: Sequence[str], tiny: bool, out: Path, jobs: int, rounds: int | None = None
 ) -> dict[str, dict[str, Any]]:
     """Run the benchmarks `names`, at most `jobs` at a time; `{name: payload}`, a
     payload being `{"result", "seconds", "backend", "eqx_state"}` or `{"error": log
-    tail}`."""
+    tail}`. `rounds`: passed to every benchmark as its `--rounds` (each takes
+    one), or `None` for each one's default."""
     tmp = Path(tempfile.mkdtemp(prefix="eqx_state_bench_"))
     # The benchmarks measure this checkout's eqx_state, whatever else is installed.
     env = dict(
@@ -233,6 +234,8 @@ def run_all(
             name = pending.pop(0)
             bench = BENCHES[name]
             argv = [*(bench.tiny_args if tiny else bench.args), "--out", str(out)]
+            if rounds is not None:
+                argv += ["--rounds", str(rounds)]
             cmd = [
                 sys.executable,
                 __file__,
@@ -1380,6 +1383,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         help="benchmarks run at once (default 1: timings must not overlap; "
         "--tiny: all)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds of every benchmark run (default: each one's own; "
+        "more rounds narrow the intervals of the targets that straddle a limit)",
+    )
     parser.add_argument("--out", type=Path, default=_HERE)
     parser.add_argument(
         "--render-only",
@@ -1426,7 +1436,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         env = environment()
         env["load_before"] = _load()
         t0 = time.perf_counter()
-        payloads = run_all(args.only, args.tiny, args.out.resolve(), jobs)
+        payloads = run_all(
+            args.only, args.tiny, args.out.resolve(), jobs, args.rounds
+        )
         seconds = time.perf_counter() - t0
         env["load_after"] = _load()
         if args.merge:

@@ -260,6 +260,36 @@ def test_run_reports_a_failed_benchmark():
     assert small[4] == small[5] == "not measured"
 
 
+def test_run_passes_rounds_to_every_benchmark(tmp_path, monkeypatch):
+    # `--rounds N` reaches each benchmark's own command line (each takes one);
+    # without it, none is added (each keeps its default). The children are faked:
+    # only the command lines are checked here.
+    run = _load("run")
+    seen: dict[str, list[str]] = {}
+
+    class FakeProc:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            name, json_path = cmd[3], cmd[4]
+            seen[name] = list(cmd[5:])
+            Path(json_path).write_text(json.dumps({"result": name}), "utf-8")
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(run.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    names = list(run.BENCHES)
+    got = run.run_all(names, False, tmp_path, len(names), rounds=41)
+    assert got == {n: {"result": n} for n in names}
+    for name in names:
+        assert seen[name][-2:] == ["--rounds", "41"], (name, seen[name])
+    seen.clear()
+    run.run_all(["many_cells"], False, tmp_path, 1)
+    assert "--rounds" not in seen["many_cells"]
+
+
 def _torch_step(size, params, x, y, lr):
     """One training step of `size`'s model in PyTorch: (loss, net)."""
     torch = pytest.importorskip("torch")
