@@ -282,7 +282,9 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         # NumPy data where the model holds a JAX array or a ref (restored without a
         # target, or by a handler that gives NumPy): the JAX array it stands for
         exact = _exact_cast(path, np.asarray(got), like.dtype)
-        on_device = isinstance(like, jax.Array) and not (
+        # where `like`'s array is (a ref's too: its new ref holds the restored
+        # array where the old one's was, as a target restores it)
+        on_device = isinstance(like, jax.Ref) or not (
             isinstance(like, Tracer) or like.is_deleted()
         )
         got = jax.device_put(exact, like.sharding) if on_device else jnp.asarray(exact)

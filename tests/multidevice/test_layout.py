@@ -142,6 +142,33 @@ def test_orbax_restores_a_2x2_layout_onto_1x4(mesh2x2, tmp_path):
     assert int(m2.steps.count[...]) == 2
 
 
+@pytest.mark.parametrize("where", ["device 1", "sharded"])
+def test_orbax_numpy_data_goes_where_a_ref_mode_like_is(mesh2x2, where):
+    # What Orbax restored as NumPy (no target, or a handler that gives NumPy) goes
+    # where `like`'s leaf is: a ref's new ref too (its array was put on the default
+    # device, away from the model's other arrays and from a mesh)
+    def put(a):
+        if not isinstance(a, jax.Array):
+            return a
+        if where == "device 1":
+            return jax.device_put(a, jax.devices()[1])
+        return jax.device_put(a, NamedSharding(mesh2x2, P("model") if a.ndim else P()))
+
+    bn = es.nn.BatchNorm(4)
+    like = es.to_refs(jax.tree.map(put, bn))
+    saved = jax.tree.map(np.asarray, es.to_orbax(bn))  # as Orbax gives NumPy
+    saved = eqx.tree_at(
+        lambda m: m.running_mean.value, saved, np.arange(4, dtype=np.float32)
+    )
+    got = es.from_orbax(saved, like)
+    for name in ("running_mean", "running_var"):
+        new, old = getattr(got, name).value, getattr(like, name).value
+        assert isinstance(new, jax.Ref) and new is not old
+        assert new.sharding == old.sharding, name
+    np.testing.assert_array_equal(got.running_mean[...], np.arange(4))
+    assert got.weight.sharding == like.weight.sharding  # as a JAX array's
+
+
 def test_ref_mode_cells_off_the_layout_name_the_fix(mesh2x2):
     rep = NamedSharding(mesh2x2, P())
     model = es.to_refs(Net(jax.random.key(0)), sharding=rep)  # replicated refs
