@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
@@ -130,12 +131,8 @@ class LastValue(Metric):
         index = _iota_like(keep)
         last = jnp.max(jnp.where(keep, index, -1), initial=-1)
         count = jnp.sum(keep.astype(jnp.float32))
-        # a masked sum rather than `value[last]`: no dynamic index, so it also works
-        # on a batch sharded across devices
         chosen = (index == last).reshape((n,) + (1,) * len(self.shape))
-        picked = jnp.sum(
-            jnp.where(chosen, value, jnp.zeros_like(value)), axis=0, dtype=dtype
-        )  # one nonzero term: exact in the value's dtype (JAX sums int8 in int32)
+        picked = _pick(value, chosen)
         self.accumulate(value=picked, count=count)
 
     def merge_statistics(
@@ -151,3 +148,20 @@ class LastValue(Metric):
     def compute(self) -> Real[Array, "..."]:
         """The last value recorded; 0 if none was (`count` tells)."""
         return self.value[...]
+
+
+def _pick(value: Array, chosen: Array) -> Array:
+    """The row of `value` (axis 0) where `chosen` holds, bit for bit (zeros where no
+    row is chosen). A masked sum rather than `value[last]`: no dynamic index, so it
+    also works on a batch sharded across devices. One term is nonzero, so an
+    integer sum is exact (JAX sums int8 in int32); floats are summed as their bits,
+    since a float sum starts from +0.0 and gives +0.0 for a picked -0.0."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        bits = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}.get(
+            jnp.finfo(value.dtype).bits
+        )
+        if bits is not None:
+            as_bits = jax.lax.bitcast_convert_type(value, bits)
+            return jax.lax.bitcast_convert_type(_pick(as_bits, chosen), value.dtype)
+    zero = jnp.zeros_like(value)
+    return jnp.sum(jnp.where(chosen, value, zero), axis=0, dtype=value.dtype)

@@ -135,6 +135,22 @@ def test_min_max_last_value_match_numpy(mode):
     close(run(esm.LastValue(), mode, scalars).compute(), x[4, 0], rtol=0)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_last_value_keeps_a_signed_zero(mode, dtype):
+    # the last value of a batch as NumPy indexes it, bit for bit: -0.0 stays -0.0
+    # and +0.0 stays +0.0 (a masked sum with +0.0 elsewhere gave +0.0 for -0.0)
+    batch = np.array([[3.0, -0.0, 0.0], [1.0, -0.0, -0.0], [5.0, 7.0, 0.0]])
+    for rows, mask in ((batch[:2], None), (batch, np.array([1, 1, 0], bool))):
+        x = jnp.asarray(rows, dtype)
+        kwargs = {} if mask is None else {"mask": jnp.asarray(mask)}
+        got = np.asarray(
+            run(esm.LastValue((3,), dtype=dtype), mode, [((x,), kwargs)]).compute()
+        )
+        want = np.asarray(x)[1]
+        assert got.tobytes() == want.tobytes(), (got, want)
+
+
 # ---------------------------------------------------------- classification metrics
 
 
