@@ -350,6 +350,20 @@ def _weak_like(new: jax.Array, old: Any) -> jax.Array:
     return _make_weak(new) if getattr(old, "weak_type", False) else new
 
 
+def _check_count(value: Any, name: str) -> None:
+    """A count of batches is never negative: PyTorch's `momentum=None` divides by
+    it (-1 + 1 = 0 raised `ZeroDivisionError` there and would make every statistic
+    NaN here, silently), and any negative count weighs the next batch wrongly."""
+    low = int(np.min(np.asarray(value))) if np.size(value) else 0
+    if low < 0:
+        raise StateValueError(
+            f"`{name}` is {low} in the state dict: a count of batches is never "
+            "negative (the state dict is corrupt, or was edited). Set it to the "
+            f"number of batches seen, or to 0 to start the count over "
+            f"(`sd[{name!r}] = torch.tensor(0)`)."
+        )
+
+
 def _placed(new: Any, old: Any) -> Any:
     sharding = getattr(old, "sharding", None)
     if isinstance(old, jax.Array) and sharding is not None:
@@ -470,6 +484,8 @@ class _Loader:
             want = _key_data_shape(old) if is_key else old
             want = jax.ShapeDtypeStruct(want.shape, want.dtype)
             new = _placed(_checked(value, name, want, _desc(cell)), old)
+            if name.rpartition(".")[2] == "num_batches_tracked":
+                _check_count(new, name)
             if is_key:
                 new = jax.random.wrap_key_data(new, impl=_key_impl(old))
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):

@@ -59,7 +59,13 @@ class BatchNorm(_LayerBase):
       `momentum=None`; `num_batches_tracked += 1` (an int32, saturating at
       $2^{31} - 1$ instead of wrapping: PyTorch's int64 count goes on, so past
       that `momentum=None` weighs a batch $1 / (2^{31} - 1)$ where PyTorch weighs
-      it $1 / 2^{31}$ or less).
+      it $1 / 2^{31}$ or less). Compiled (a step, [`eqx_state.make_apply`][], any
+      `jax.jit`), XLA computes each update as a fused multiply-add, rounding once
+      where PyTorch rounds each product: the statistics can differ from PyTorch's
+      in the last bit at each update. The fused form is the more accurate one:
+      with `momentum=None` resumed from a large count ($3 \cdot 10^7$) on
+      stationary data, PyTorch's running mean falls by about an ulp per batch
+      while this one stays at the exact average.
     - evaluation ([`eqx.nn.inference_mode`](https://docs.kidger.site/equinox/api/nn/inference/)): normalise
       with the running statistics; nothing is written.
     - `track_running_stats=False`: always normalise with batch statistics (also in

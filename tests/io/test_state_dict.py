@@ -166,6 +166,25 @@ def test_torch_trained_model_continues_training_identically(mode):
         np.testing.assert_allclose(sd[k], t_sd[k].numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_negative_batch_count_is_refused(mode):
+    # PyTorch raises ZeroDivisionError at the next momentum=None batch for -1; here
+    # it made every statistic NaN without a word. Refused at the load, naming the
+    # entry; the model passed in is left as it was.
+    model = _mode(Net(jax.random.key(0), bn1d_momentum=None), mode)
+    for bad in (-1, -5):
+        sd = dict(TorchNet(bn1d_momentum=None).state_dict())
+        sd["bn1d.num_batches_tracked"] = torch.tensor(bad)
+        with pytest.raises(
+            ValueError, match=r"bn1d\.num_batches_tracked.*never negative"
+        ) as e:
+            es.load_state_dict(model, sd)
+        assert isinstance(e.value, es.EqxStateError)
+    assert int(model.bn1d.num_batches_tracked[...]) == 0
+    sd["bn1d.num_batches_tracked"] = torch.tensor(0)  # 0 and up load
+    assert int(es.load_state_dict(model, sd).bn1d.num_batches_tracked[...]) == 0
+
+
 def test_a_step_after_loading_numpy_into_cells():
     # Loading writes the cell's value and keeps the cell: the model still trains.
     sd = {k: v.numpy() for k, v in TorchNet().state_dict().items()}
