@@ -97,7 +97,10 @@ class KVCache(_LayerBase):
     has its own cursor, so prompts of different lengths can be prefilled
     together, padded to one length (which must fit in `max_len`), and each
     cursor then set to its prompt's length with
-    [`eqx_state.nn.truncate_kv_cache`][].
+    [`eqx_state.nn.truncate_kv_cache`][]. Pad with finite values (a pad token, or
+    zeros): a NaN in a padding position reaches the earlier positions' outputs
+    through the masked attention weights (`0 * NaN`), as it does in PyTorch's
+    `scaled_dot_product_attention(is_causal=True)`.
 
     **Overflow.** Writing past `max_len` is an error, never a silent clamp:
 
