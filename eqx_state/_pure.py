@@ -275,7 +275,9 @@ def _selects(trainable: Callable[[Any], Any], param: Any) -> bool:
 
 def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
     """At trace time: the optimizer state must be the one for these parameters."""
-    made = jax.eval_shape(optimizer.init, diff)
+    # (`filter_eval_shape`: an optimizer may keep Python values in its state, a
+    # string or a flag, which `jax.eval_shape` cannot return)
+    made = eqx.filter_eval_shape(optimizer.init, diff)
     want = jax.tree_util.tree_structure(made)
     got = jax.tree_util.tree_structure(opt_state)
     if want != got:
@@ -296,6 +298,8 @@ def _check_opt_state(optimizer: Any, opt_state: Any, diff: Any) -> None:
     # broadcasting error
     leaves = jax.tree_util.tree_leaves(opt_state)
     for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(made)[0], leaves):
+        if not isinstance(w, jax.ShapeDtypeStruct):
+            continue  # a Python value: compared as a static leaf, by the trace key
         if tuple(jnp.shape(g)) != tuple(w.shape):
             raise StepError(
                 "The optimizer state does not match the parameters this step "

@@ -723,6 +723,35 @@ def test_a_cell_holding_no_array_is_named_alike_by_every_runner(runner, value):
     assert isinstance(caught.value, es.EqxStateError)
 
 
+def _tagged_sgd(lr):
+    """optax.sgd(lr) whose state also holds a Python string, which changes at the
+    first update (an optimizer's phase)."""
+
+    def init(params):
+        return {"phase": "warm", "n": jnp.zeros((), jnp.int32)}
+
+    def update(grads, state, params=None):
+        updates = jax.tree.map(lambda g: -lr * g, grads)
+        return updates, {"phase": "main", "n": state["n"] + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_an_optimizer_state_may_hold_a_python_value(runner, mode):
+    """A string in the optimizer's state (as `eqx.filter_jit` takes it): every
+    runner failed on the per-trace check of the state (`jax.eval_shape` of
+    `optimizer.init` cannot return a string) with JAX's bare `TypeError`. The
+    steps are optax.sgd's, bit for bit, and the string is the update's."""
+    model, opt_state, losses = run(runner, mode, _tagged_sgd(0.1))
+    want_model, _, want = run("step", "value", optax.sgd(0.1))
+    assert opt_state["phase"] == "main" and int(opt_state["n"]) == K
+    assert np.array_equal(losses, want)
+    for a, b in zip(arrays(model), arrays(want_model), strict=True):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("init", ["step.init", "optimizer.init"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", RUNNERS)
