@@ -277,11 +277,12 @@ class Step(_Runner):
         once per step, in both modes — in one `jax.jit` call that runs the steps in
         a `lax.scan`, carrying the model and the optimizer state in place. It
         compiles once per `K` and donates like a step. For dense models in
-        float32 and float64 the numbers are those of `K` calls, bit for bit. XLA
-        may compile a loop body differently from a separate call, as it does a
-        hand-written `lax.scan` (whose numbers the scan gives): convolutions, and
-        any bfloat16 or float16 arithmetic, can then round differently, so results
-        can differ in their last bits (which Adam magnifies on a parameter whose
+        float32 and float64 (and `scan_unroll=1`, the default) the numbers are
+        those of `K` calls, bit for bit. XLA may compile a loop body differently
+        from a separate call, as it does a hand-written `lax.scan` (whose numbers
+        the scan gives): convolutions, any bfloat16 or float16 arithmetic, and an
+        unrolled loop (`scan_unroll` > 1, which XLA fuses across steps) can then
+        round differently, so results can differ in their last bits (which Adam magnifies on a parameter whose
         gradient is nearly zero, e.g. the bias of a convolution before BatchNorm).
 
         **Arguments:**
@@ -656,6 +657,9 @@ def make_step(
         CPU, XLA runs convolutions inside a loop several times slower than outside
         one (measured: a small CNN 17x slower per step); unrolling avoids the loop,
         at a compile time that grows with `K`. Dense models are fastest rolled.
+        Unrolled, XLA fuses arithmetic across steps, so results can differ from
+        `K` separate calls in their last bits, as a hand-written `lax.scan(...,
+        unroll=...)`'s do.
     - `**jit_kwargs`: passed to `jax.jit`.
 
     **Returns:**

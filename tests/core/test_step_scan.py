@@ -86,8 +86,14 @@ def fresh(mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "options",
-    [{}, {"microbatches": 2}, {"trainable": lambda x: eqx.is_array(x) and x.ndim == 2}],
-    ids=["plain", "microbatches", "frozen"],
+    [
+        {},
+        {"microbatches": 2},
+        {"trainable": lambda x: eqx.is_array(x) and x.ndim == 2},
+        {"scan_unroll": 4},  # K = 6: an unrolled body and a remainder
+        {"scan_unroll": True},
+    ],
+    ids=["plain", "microbatches", "frozen", "unroll4", "unrolled"],
 )
 def test_scan_equals_k_steps(mode, options):
     xs, ys = data()
