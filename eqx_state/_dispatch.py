@@ -217,6 +217,14 @@ class _Signature:
         self.vmapped = vmapped
         self.plans: dict[Any, _Plan] = {}
         self.numbers_seen: dict[int, list] = {}  # static numbers, for a warning
+        # The positions in `dyn` of NumPy arrays (set by `Compiled._signature`,
+        # which knows the leaves' types): each call passes a private copy of them.
+        # On the CPU JAX may use a NumPy array's buffer without a copy while the
+        # call runs after returning (jax-ml/jax#37830), so changing the array in
+        # place after the call (a learning rate set in the optimizer state the
+        # step handed back, a batch buffer refilled) could change that call's
+        # input. The copy makes the call read the array as it was given.
+        self.numpy_ks: tuple[int, ...] = ()
 
     def unflatten(self, leaves: list) -> tuple[tuple, tuple, dict]:
         carry = self.carry_treedef.unflatten(leaves[: self.n_carry])
@@ -585,6 +593,11 @@ class Compiled:
                         carry_leaves,
                         self.donate_policy,
                     )
+                    sig.numpy_ks = tuple(
+                        k
+                        for k, i in enumerate(sig.dyn_idx)
+                        if issubclass(types[i], np.ndarray)
+                    )
             self._last_signature = (key, sig)
         if sig is _AMBIGUOUS or ((sig.refbuf_idx or sig.donates) and under_trace()):
             if sig is _AMBIGUOUS and not under_trace():
@@ -681,6 +694,8 @@ class Compiled:
         leaves = [*carry_leaves, *arg_leaves]
         sig = self._signature(carry_leaves, carry_td, leaves, arg_td)
         dyn = sig.get_dyn(leaves)
+        for k in sig.numpy_ks:  # read as given (see `_Signature.numpy_ks`)
+            dyn[k] = np.array(dyn[k])
         refs = sig.get_refs(leaves)
         if sig.refbuf_ks:
             n_refs = len(refs) + len(sig.refbuf_ks)

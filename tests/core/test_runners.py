@@ -752,6 +752,52 @@ def test_an_optimizer_state_may_hold_a_python_value(runner, mode):
         assert np.array_equal(a, b)
 
 
+class _Masked(eqx.Module):
+    w: jax.Array
+    mask: np.ndarray  # an integer NumPy leaf: not trained, handed back as it is
+
+
+_BIG = np.full((300, 300), 0.001, np.float32)
+
+
+def _slow_loss(model, x):
+    # x and the mask are read after a long computation: a change made to them in
+    # place just after the call returns reaches them while the call still runs
+    y = jnp.asarray(_BIG)
+    for _ in range(20):
+        y = jnp.tanh(y @ _BIG)
+    return jnp.sum(model.w * x * model.mask * (y[0, 0] * 0 + 1))
+
+
+@pytest.mark.parametrize("runner", [*RUNNERS, "make_apply"])
+def test_a_numpy_array_is_read_as_it_was_given(runner):
+    """A NumPy batch, or a NumPy leaf of the model, changed in place right after a
+    call returns: on the CPU JAX may read the array's own buffer while the call
+    runs on (jax-ml/jax#37830), and about a third of the calls read the later
+    values (in the optimizer state's learning rate, as optax's docs set it in
+    place, too). Every runner passes a private copy: each call reads what it was
+    given."""
+    step = es.make_step(_slow_loss, optax.sgd(0.0), return_loss=True, donate=False)
+    for trial in range(12):
+        model = _Masked(jnp.ones((64, 64)), np.ones((64, 64), np.int32))
+        opt_state = step.init(model)
+        x = np.ones((1, 64, 64), np.float32)
+        if runner == "step":
+            loss = step(model, opt_state, x[0])[2]
+        elif runner == "scan":
+            loss = step.scan(model, opt_state, x)[2][0]
+        elif runner == "make_apply":
+            loss = es.make_apply(_slow_loss, donate=False)(model, x[0])[0]
+        else:
+            loop = step.own(model, opt_state)
+            loss = loop(x[0])
+        x[...] = 0.0
+        model.mask[...] = 0
+        assert float(loss) == 64 * 64, trial
+        if runner == "own":
+            loop.release()
+
+
 @pytest.mark.parametrize("init", ["step.init", "optimizer.init"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("runner", RUNNERS)
