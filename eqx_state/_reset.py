@@ -85,16 +85,23 @@ def reset(model: _T, which: Which = MetricState) -> _T:
     check_tree_live(model)
     replaced = []
 
-    def one(path: Any, x: Any) -> Any:
-        if not isinstance(x, Buffer) or x.value is None or not select(x):
-            return x
-        if x.init is None:
+    def selected(x: Any) -> bool:
+        return isinstance(x, Buffer) and x.value is not None and select(x)
+
+    # Every selected cell is checked before any is written: a ref-mode cell is
+    # reset in place, and a refusal must leave the model as it was.
+    for path, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_state)[0]:
+        if selected(x) and x.init is None:
             raise StateValueError(
                 f"reset: the {type(x).__name__} cell at `{model_path(path)}` "
                 "has no initial value to go back to (its `init` is None). Narrow "
                 "`which` to the kinds you mean (e.g. `which=eqx_state.MetricState`), "
                 "or give the cell one when it is built, `Buffer(value, init=0.0)`."
             )
+
+    def one(path: Any, x: Any) -> Any:
+        if not selected(x):
+            return x
         if isinstance(x.value, jax.Array):  # value mode: a fresh array
             # laid out as the cell was (replicated over a mesh that may span
             # processes: a single-device array there could not be saved by Orbax

@@ -213,8 +213,13 @@ def test_no_init_raises_naming_the_path():
     with pytest.raises(ValueError, match=r"Cache cell at `model\.no_init`.*init"):
         es.reset(model, es.Cache)
     ref = es.to_refs(model)
+    before = _numpy_state(ref)
     with pytest.raises(ValueError, match="no_init"):
         es.reset(ref, lambda c: True)
+    # nothing was written: the cells before the one refused were reset in place
+    _check(before, _numpy_state(ref), set())
+    with pytest.raises(ValueError, match="no_init"):  # inside a step's trace too
+        es.apply(lambda m: es.reset(m, lambda c: True), model)
 
 
 def test_bad_which_is_refused():
