@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Integer
 
 from .._buffer import CounterState, _LayerBase
+from .._compat import Tracer
 from .._errors import (
     StateTypeError,
     check_bool,
@@ -73,6 +74,25 @@ class Counter(_LayerBase):
     def increment(self, by: int | Integer[Array, "..."] = 1) -> Integer[Array, "..."]:
         """Add `by` to the count (unless in inference mode); return the new count."""
         dtype = self.count.dtype
+        weak_wide = (
+            getattr(by, "weak_type", False)
+            and jnp.issubdtype(getattr(by, "dtype", object), jnp.integer)
+            and jnp.dtype(by.dtype).itemsize > jnp.dtype(dtype).itemsize  # pyright: ignore[reportAttributeAccessIssue]
+        )
+        if weak_wide and not isinstance(by, Tracer):
+            # a weakly typed array (`jnp.asarray(200)`) is a Python int to JAX:
+            # checked as one (it was cast without a word: 200 into int8 is -56)
+            by = int(by)  # pyright: ignore[reportArgumentType]
+        elif weak_wide:
+            raise StateTypeError(
+                f"Counter.increment(by) got a traced, weakly typed step (a Python int "
+                f"passed into `jit` or another transformation) for a "
+                f"counter of dtype {jnp.dtype(dtype).name}: its value cannot be checked against "
+                f"the counter's range while tracing, and a step out of range would be "
+                f"cut to {jnp.dtype(dtype).itemsize * 8} bits. Cast it yourself "
+                f"(`by.astype(jnp.{jnp.dtype(dtype).name})`), or build the counter "
+                "with a wider dtype (the default, int32)."
+            )
         if is_whole(by):
             by = _whole("Counter.increment", "`by`", by, dtype, step=True)
             # in the counter's dtype (`jnp.asarray` would take int32, which holds

@@ -293,6 +293,30 @@ def test_a_counter_step_wider_than_the_counter_is_refused_not_cut():
     assert int(c.value) == int(np.int16(300) + np.int16(7))
 
 
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_weakly_typed_step_is_checked_as_the_python_int_it_is(mode):
+    """`jnp.asarray(200)` (weakly typed: a Python int to JAX) into an int8 counter
+    was cast without a word (-56) where `increment(200)` is refused; under `jit` a
+    traced Python int (300) was cut to 44. A concrete weak step is checked as an
+    int; a traced one, whose value cannot be checked while tracing, is refused
+    with the fix. In range, both add as NumPy's int8 arithmetic does."""
+    c = es.nn.Counter(dtype=jnp.int8)
+    c = es.to_refs(c) if mode == "ref" else c
+    for by in (200, jnp.asarray(200)):
+        with pytest.raises(ValueError, match=r"\[-128, 127\], got 200") as e:
+            es.apply(lambda c: c.increment(by), c)
+        assert isinstance(e.value, es.EqxStateError)
+    with pytest.raises(TypeError, match=r"traced, weakly typed step.*astype") as e:
+        jax.jit(lambda c, by: es.apply(lambda c: c.increment(by), c))(c, 300)
+    assert isinstance(e.value, es.EqxStateError)
+    n, c = es.apply(lambda c: c.increment(jnp.asarray(100)), c)
+    n, c = es.apply(lambda c: c.increment(jnp.asarray(27)), c)
+    assert int(n) == int(np.int8(100) + np.int8(27))
+    c32 = es.nn.Counter()  # as wide as a weak int: no question of range
+    n, _ = jax.jit(lambda c, by: es.apply(lambda c: c.increment(by), c))(c32, 300)
+    assert int(n) == 300
+
+
 # Every whole-number option of the library goes through one check
 # (`_errors.check_int`). Reference: Python's own rule for an integer argument,
 # `operator.index` (what `range` and list indexing take: ints, NumPy integers and
