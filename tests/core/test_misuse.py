@@ -304,16 +304,16 @@ def test_a_weakly_typed_step_is_checked_as_the_python_int_it_is(mode):
     c = es.to_refs(c) if mode == "ref" else c
     for by in (200, jnp.asarray(200)):
         with pytest.raises(ValueError, match=r"\[-128, 127\], got 200") as e:
-            es.apply(lambda c: c.increment(by), c)
+            es.apply(lambda c, by: c.increment(by), c, by)
         assert isinstance(e.value, es.EqxStateError)
     with pytest.raises(TypeError, match=r"traced, weakly typed step.*astype") as e:
-        jax.jit(lambda c, by: es.apply(lambda c: c.increment(by), c))(c, 300)
+        jax.jit(lambda by: es.apply(lambda c: c.increment(by), c))(300)
     assert isinstance(e.value, es.EqxStateError)
     n, c = es.apply(lambda c: c.increment(jnp.asarray(100)), c)
     n, c = es.apply(lambda c: c.increment(jnp.asarray(27)), c)
     assert int(n) == int(np.int8(100) + np.int8(27))
     c32 = es.nn.Counter()  # as wide as a weak int: no question of range
-    n, _ = jax.jit(lambda c, by: es.apply(lambda c: c.increment(by), c))(c32, 300)
+    n, _ = jax.jit(lambda by: es.apply(lambda c: c.increment(by), c32))(300)
     assert int(n) == 300
 
 
