@@ -617,18 +617,45 @@ def _refuse_per_example(
             )
 
 
+_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+def to_bits(x: Array) -> Array:
+    """A float array as the unsigned integers of its bits (other arrays as they
+    are), so that a sum in which one term is nonzero gives that term exactly: a
+    float sum starts from +0.0 and gives +0.0 for a -0.0 (NaN payloads are kept
+    too). A float narrower than 8 bits (float4) goes through float32, which holds
+    each of its values, -0.0 included. `from_bits` undoes it."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    bits = jnp.finfo(x.dtype).bits
+    if bits not in _UINT:
+        x, bits = x.astype(jnp.float32), 32
+    return jax.lax.bitcast_convert_type(x, _UINT[bits])
+
+
+def from_bits(b: Array, dtype: Any) -> Array:
+    """The array of `dtype` whose bits `to_bits` gave."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return b
+    if jnp.finfo(dtype).bits not in _UINT:
+        return jax.lax.bitcast_convert_type(b, jnp.float32).astype(dtype)
+    return jax.lax.bitcast_convert_type(b, dtype)
+
+
 def _gather(x: Array, axis_name: Hashable) -> Array:
     """Every member's `x`, stacked in axis order: `[axis_size, *x.shape]`, the same
     on every member. A `psum` of each member's slot rather than `all_gather`, whose
     result JAX types as per-device (varying) inside `shard_map`; exact (the other
-    slots add zeros), also for infinities and NaN."""
+    slots add zeros to the bits of floats, `to_bits`), -0.0, infinities and NaN
+    included."""
     n = jax.lax.axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     slot = (jnp.arange(n) == me).reshape((n,) + (1,) * x.ndim)
-    stacked = jnp.where(slot, x[None], jnp.zeros((), x.dtype))
-    if x.dtype == jnp.bool_:
-        return jax.lax.psum(stacked.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return jax.lax.psum(stacked, axis_name)
+    bits = x.astype(jnp.int32) if x.dtype == jnp.bool_ else to_bits(x)
+    stacked = jnp.where(slot, bits[None], jnp.zeros((), bits.dtype))
+    out = jax.lax.psum(stacked, axis_name)
+    return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else from_bits(out, x.dtype)
 
 
 def _fold(

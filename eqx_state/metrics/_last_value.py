@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Real, Shaped
 
@@ -19,7 +18,9 @@ from ._base import (
     _fit,
     _iota_like,
     _truthy,
+    from_bits,
     statistic,
+    to_bits,
 )
 
 
@@ -153,15 +154,9 @@ class LastValue(Metric):
 def _pick(value: Array, chosen: Array) -> Array:
     """The row of `value` (axis 0) where `chosen` holds, bit for bit (zeros where no
     row is chosen). A masked sum rather than `value[last]`: no dynamic index, so it
-    also works on a batch sharded across devices. One term is nonzero, so an
-    integer sum is exact (JAX sums int8 in int32); floats are summed as their bits,
-    since a float sum starts from +0.0 and gives +0.0 for a picked -0.0."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        bits = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}.get(
-            jnp.finfo(value.dtype).bits
-        )
-        if bits is not None:
-            as_bits = jax.lax.bitcast_convert_type(value, bits)
-            return jax.lax.bitcast_convert_type(_pick(as_bits, chosen), value.dtype)
-    zero = jnp.zeros_like(value)
-    return jnp.sum(jnp.where(chosen, value, zero), axis=0, dtype=value.dtype)
+    also works on a batch sharded across devices. One term is nonzero, so the sum
+    of the rows' bits (`to_bits`) is that row's (JAX sums int8 in int32)."""
+    bits = to_bits(value)
+    zero = jnp.zeros_like(bits)
+    picked = jnp.sum(jnp.where(chosen, bits, zero), axis=0, dtype=bits.dtype)
+    return from_bits(picked, value.dtype)

@@ -136,7 +136,9 @@ def test_min_max_last_value_match_numpy(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float4_e2m1fn]
+)
 def test_last_value_keeps_a_signed_zero(mode, dtype):
     # the last value of a batch as NumPy indexes it, bit for bit: -0.0 stays -0.0
     # and +0.0 stays +0.0 (a masked sum with +0.0 elsewhere gave +0.0 for -0.0)
@@ -149,6 +151,18 @@ def test_last_value_keeps_a_signed_zero(mode, dtype):
         )
         want = np.asarray(x)[1]
         assert got.tobytes() == want.tobytes(), (got, want)
+    # and over a named axis, where the members' values are gathered (`_gather`):
+    # the last member's -0.0 on every member
+
+    def member(v):
+        m = es.to_refs(esm.LastValue((), axis_name="i", dtype=dtype))
+        m.update(v)
+        return m.compute()
+
+    vals = jnp.asarray([1.0, -0.0], dtype)
+    out = np.asarray(jax.vmap(member, axis_name="i")(vals))
+    want = np.asarray(vals[1:]).repeat(2)
+    assert out.tobytes() == want.tobytes(), (out, want)
 
 
 # ---------------------------------------------------------- classification metrics
