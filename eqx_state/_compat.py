@@ -16,6 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
+import numpy as np
 
 
 # -- types -----------------------------------------------------------------------
@@ -307,3 +308,20 @@ def is_ref_in_filtered_transform(e: BaseException) -> bool:
         isinstance(e, AttributeError)
         and "'AbstractRef' object has no attribute '_ne'" in text
     )
+
+
+# -- NumPy inputs ----------------------------------------------------------------
+
+
+def private_numpy_copy(x: np.ndarray) -> np.ndarray:
+    """A copy of a NumPy array that JAX may make the buffer of an array or of a
+    running call's input. Not an internal of JAX: a workaround for how its public
+    API treats NumPy. On the CPU `jax.device_put`, `make_array_from_process_local_data`
+    and a compiled call may use a NumPy array's own buffer, also with
+    `may_alias=False` (jax-ml/jax#37830), so a change the caller makes to the array
+    afterwards (a refilled batch buffer, a learning rate set in place) would reach
+    a JAX array or a call still running. The copy is in the machine's byte order
+    (JAX read a big-endian array passed to a function it had already compiled as
+    zeros), and a masked array stays one (`subok`), which JAX refuses, rather than
+    losing its mask."""
+    return np.array(x, dtype=x.dtype.newbyteorder("="), subok=True)

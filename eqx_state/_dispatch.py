@@ -61,6 +61,7 @@ from ._compat import (
     is_deleted_array_error,
     is_incompatible_devices_error,
     only_vmapped,
+    private_numpy_copy,
     quiet_equinox_callback_log,
     ref_buffer,
     set_ref_buffer,
@@ -223,8 +224,11 @@ class _Signature:
         # call runs after returning (jax-ml/jax#37830), so changing the array in
         # place after the call (a learning rate set in the optimizer state the
         # step handed back, a batch buffer refilled) could change that call's
-        # input. The copy makes the call read the array as it was given.
-        self.numpy_ks: tuple[int, ...] = ()
+        # input. The copy makes the call read the array as it was given. `None`
+        # (a signature made under an outer transformation, keyed by kinds, which
+        # NumPy and JAX arrays share): found at each call; an eager `vmap` or
+        # `grad` runs the call on the device too.
+        self.numpy_ks: tuple[int, ...] | None = None if traced or vmapped else ()
 
     def unflatten(self, leaves: list) -> tuple[tuple, tuple, dict]:
         carry = self.carry_treedef.unflatten(leaves[: self.n_carry])
@@ -694,8 +698,11 @@ class Compiled:
         leaves = [*carry_leaves, *arg_leaves]
         sig = self._signature(carry_leaves, carry_td, leaves, arg_td)
         dyn = sig.get_dyn(leaves)
-        for k in sig.numpy_ks:  # read as given (see `_Signature.numpy_ks`)
-            dyn[k] = np.array(dyn[k])
+        numpy_ks = sig.numpy_ks
+        if numpy_ks is None:  # a traced signature: NumPy and JAX arrays share it
+            numpy_ks = [k for k, x in enumerate(dyn) if isinstance(x, np.ndarray)]
+        for k in numpy_ks:  # read as given (see `_Signature.numpy_ks`)
+            dyn[k] = private_numpy_copy(dyn[k])
         refs = sig.get_refs(leaves)
         if sig.refbuf_ks:
             n_refs = len(refs) + len(sig.refbuf_ks)

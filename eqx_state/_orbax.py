@@ -24,7 +24,7 @@ from ._checkpoint import (
     saved_with_x64,
     shown_path,
 )
-from ._compat import Tracer
+from ._compat import Tracer, private_numpy_copy
 from ._modes import with_witnesses, without_witnesses
 
 
@@ -287,6 +287,8 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         on_device = isinstance(like, jax.Ref) or not (
             isinstance(like, Tracer) or like.is_deleted()
         )
+        # `restored` is the caller's: not to be shared with the model's arrays
+        exact = private_numpy_copy(exact)
         got = jax.device_put(exact, like.sharding) if on_device else jnp.asarray(exact)
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._buffer import _is_ref, is_state
-from ._compat import Tracer
+from ._compat import Tracer, private_numpy_copy
 from ._errors import (
     StateError,
     StateTypeError,
@@ -443,7 +443,9 @@ def global_batch(
     def one(x: Any) -> Any:
         if not isinstance(x, jax.Array | np.ndarray | np.generic):
             return x
-        if not isinstance(x, jax.Array):
+        if isinstance(x, np.ndarray):  # the caller may refill its buffer
+            x = private_numpy_copy(x)
+        elif not isinstance(x, jax.Array):
             x = np.asarray(x)
         sharding = sharded if np.ndim(x) > batch_axis else replicated
         return jax.make_array_from_process_local_data(sharding, x)

@@ -9,8 +9,10 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import eqx_state as es
 from eqx_state import _compat
 
 
@@ -355,3 +357,37 @@ def test_is_ref_in_filtered_transform_recognises_jaxs_errors():
         ValueError("Non-hashable static arguments are not supported: a list")
     )
     assert not _compat.is_ref_in_filtered_transform(AttributeError("no attribute"))
+
+
+def _aligned(n):
+    """A float32 NumPy array whose buffer is page aligned (JAX shares such buffers)."""
+    buf = np.empty(n * 4 + 4096, np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    out = buf[off : off + n * 4].view(np.float32)
+    out[...] = 1.0
+    return out
+
+
+def test_numpy_inputs_are_not_shared_with_jax_arrays():
+    """jax-ml/jax#37830: `device_put` onto a device (with `may_alias=False` too)
+    may make a NumPy array's buffer the JAX array's own, so the caller's later
+    change reaches it. `private_numpy_copy` is what the library gives JAX instead
+    (`es.global_batch`, `es.from_orbax`, every runner): never shared, in native
+    byte order, a masked array kept masked."""
+    x = _aligned(1024)
+    copy = _compat.private_numpy_copy(x)
+    assert not np.shares_memory(copy, x) and np.array_equal(copy, x)
+    big = np.arange(3, dtype=">f4")
+    assert _compat.private_numpy_copy(big).dtype.isnative
+    masked = np.ma.masked_array([1.0, 2.0], mask=[0, 1])
+    assert isinstance(_compat.private_numpy_copy(masked), np.ma.MaskedArray)
+    # the library's own NumPy-to-JAX paths
+    mesh = jax.make_mesh((1,), ("data",))
+    g = es.global_batch(x.reshape(64, 16), mesh)
+    bn = es.nn.BatchNorm(1024)
+    saved = jax.tree.map(np.asarray, es.to_orbax(bn))
+    saved = eqx.tree_at(lambda m: m.running_mean.value, saved, x)
+    restored = es.from_orbax(saved, bn)
+    x[...] = 0.0  # the caller refills its buffer
+    assert float(jnp.sum(g)) == 1024.0
+    assert float(jnp.sum(restored.running_mean[...])) == 1024.0
