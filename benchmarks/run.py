@@ -207,6 +207,13 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return n
+
+
 def run_all(
     names: Sequence[str], tiny: bool, out: Path, jobs: int, rounds: int | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -229,13 +236,16 @@ def run_all(
     pending = list(names)
     running: dict[str, tuple[subprocess.Popen, Path, Any, float]] = {}
     done: dict[str, dict[str, Any]] = {}
+    args_of: dict[str, list[str]] = {}
     while pending or running:
         while pending and len(running) < jobs:
             name = pending.pop(0)
             bench = BENCHES[name]
-            argv = [*(bench.tiny_args if tiny else bench.args), "--out", str(out)]
+            shown = [*(bench.tiny_args if tiny else bench.args)]
             if rounds is not None:
-                argv += ["--rounds", str(rounds)]
+                shown += ["--rounds", str(rounds)]
+            argv = [*shown, "--out", str(out)]
+            args_of[name] = shown
             cmd = [
                 sys.executable,
                 __file__,
@@ -261,6 +271,7 @@ def run_all(
             wall = time.perf_counter() - t0
             if proc.returncode == 0:
                 done[name] = json.loads((tmp / f"{name}.json").read_text("utf-8"))
+                done[name]["args"] = args_of[name]  # the command line it ran with
                 print(f"[run] {name}: done in {wall:.0f} s", flush=True)
             else:
                 tail = log_path.read_text("utf-8").strip().splitlines()[-25:]
@@ -1052,7 +1063,7 @@ def markdown(
     for name, payload in payloads.items():
         bench = BENCHES[name]
         lines += [f"## {bench.title}", ""]
-        bench_args = bench.tiny_args if tiny else bench.args
+        bench_args = payload.get("args", bench.tiny_args if tiny else bench.args)
         if "error" in payload:
             lines += [
                 "**FAILED.** The end of its output:",
@@ -1385,7 +1396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_positive,
         default=None,
         help="interleaved rounds of every benchmark run (default: each one's own; "
         "more rounds narrow the intervals of the targets that straddle a limit)",
@@ -1436,9 +1447,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         env = environment()
         env["load_before"] = _load()
         t0 = time.perf_counter()
-        payloads = run_all(
-            args.only, args.tiny, args.out.resolve(), jobs, args.rounds
-        )
+        payloads = run_all(args.only, args.tiny, args.out.resolve(), jobs, args.rounds)
         seconds = time.perf_counter() - t0
         env["load_after"] = _load()
         if args.merge:

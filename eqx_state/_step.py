@@ -281,7 +281,7 @@ class Step(_Runner):
         those of `K` calls, bit for bit. XLA may compile a loop body differently
         from a separate call, as it does a hand-written `lax.scan` (whose numbers
         the scan gives): convolutions, any bfloat16 or float16 arithmetic, and an
-        unrolled loop (`scan_unroll` > 1, which XLA fuses across steps) can then
+        unrolled loop (`scan_unroll` above 1, or `True`: XLA fuses across steps) can then
         round differently, so results can differ in their last bits (which Adam magnifies on a parameter whose
         gradient is nearly zero, e.g. the bias of a convolution before BatchNorm).
 

@@ -282,12 +282,15 @@ def test_run_passes_rounds_to_every_benchmark(tmp_path, monkeypatch):
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
     names = list(run.BENCHES)
     got = run.run_all(names, False, tmp_path, len(names), rounds=41)
-    assert got == {n: {"result": n} for n in names}
+    assert {n: p["result"] for n, p in got.items()} == {n: n for n in names}
     for name in names:
-        assert seen[name][-2:] == ["--rounds", "41"], (name, seen[name])
+        assert seen[name][-4:-2] == ["--rounds", "41"], (name, seen[name])
+        assert got[name]["args"][-2:] == ["--rounds", "41"]  # what the report shows
     seen.clear()
     run.run_all(["many_cells"], False, tmp_path, 1)
     assert "--rounds" not in seen["many_cells"]
+    with pytest.raises(SystemExit):  # not a number of rounds
+        run.main(["--rounds", "0", "--render-only", "--out", str(tmp_path)])
 
 
 def _torch_step(size, params, x, y, lr):
