@@ -79,11 +79,11 @@ class Counter(_LayerBase):
             and jnp.issubdtype(getattr(by, "dtype", object), jnp.integer)
             and jnp.dtype(by.dtype).itemsize > jnp.dtype(dtype).itemsize  # pyright: ignore[reportAttributeAccessIssue]
         )
-        if weak_wide and not isinstance(by, Tracer):
+        if weak_wide and not isinstance(by, Tracer) and jnp.ndim(by) == 0:
             # a weakly typed array (`jnp.asarray(200)`) is a Python int to JAX:
             # checked as one (it was cast without a word: 200 into int8 is -56)
             by = int(by)  # pyright: ignore[reportArgumentType]
-        elif weak_wide:
+        elif weak_wide and isinstance(by, Tracer):
             raise StateTypeError(
                 f"Counter.increment(by) got a traced, weakly typed step (a Python int "
                 f"passed into `jit` or another transformation) for a "
