@@ -457,6 +457,10 @@ class _Loader:
         `num_batches_tracked` absent from an old state dict): every cell then has
         a value, and a training call, a step or `es.save` work on the result."""
         old = cell.value
+        if isinstance(old, jax.Ref):
+            # a new ref holding the recording, as every other ref-mode cell gets:
+            # the model passed in is not written through the result
+            return _fresh_refs(cell)
         if not isinstance(old, jax.ShapeDtypeStruct):
             return cell
         if cell.init is None:  # nothing to fill with: reported as having no value

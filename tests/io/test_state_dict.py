@@ -214,6 +214,45 @@ def test_ref_mode_load_returns_new_refs_and_leaves_the_model_alone():
     assert int(model.bn2d.num_batches_tracked[...]) == 0
 
 
+class _Recorded(eqx.Module):
+    fc: es.nn.Batched
+    rec: es.nn.Record
+    cap: es.nn.Capture
+    bn: es.nn.BatchNorm
+
+    def __call__(self, x):
+        return self.bn(self.cap(self.rec(self.fc(x))))
+
+
+def test_ref_mode_load_gives_recordings_new_refs_too():
+    """Recordings (`Record`, `Capture`: in no state dict) came back holding the
+    refs of the model passed in, so calling or resetting the loaded model wrote
+    the old model's recordings, against the docstring's "new refs"."""
+    old = es.to_refs(
+        _Recorded(
+            es.nn.Batched(eqx.nn.Linear(4, 3, key=jax.random.key(0))),
+            es.nn.Record("mean"),
+            es.nn.Capture((2, 3)),
+            es.nn.BatchNorm(3),
+        )
+    )
+    tm = torch.nn.Module()
+    tm.fc, tm.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+    before = {k: np.asarray(v) for k, v in es.recorded(old).items()}
+    new = es.load_state_dict(old, tm.state_dict())
+    refs = lambda m: [  # noqa: E731
+        x for x in jax.tree.leaves(m) if isinstance(x, jax.Ref)
+    ]
+    assert not {id(r) for r in refs(new)} & {id(r) for r in refs(old)}
+    new(jnp.ones((2, 4)))
+    es.reset(new, es.RecordState)
+    after = {k: np.asarray(v) for k, v in es.recorded(old).items()}
+    assert before.keys() == after.keys()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    assert int(old.cap.count[...]) == 0
+
+
 @pytest.mark.parametrize("kind", ["torch", "numpy", "jax"])
 def test_accepts_torch_numpy_and_jax_values(kind):
     t_sd = TorchNet().state_dict()
