@@ -132,6 +132,13 @@ def differentiation_trace(x: Any) -> Any:
     return None
 
 
+def trace_of(x: Any) -> Any:
+    """The trace that `x` (a tracer) belongs to, the innermost transformation over
+    it (a `jit`'s, a `vmap`'s, ...); None for a concrete value. JAX keeps it in
+    `._trace`."""
+    return getattr(x, "_trace", None) if isinstance(x, Tracer) else None
+
+
 def unbatched(x: Any) -> Any:
     """The value a `vmap`'s batch tracers wrap (`.val`, through nested ones): the
     same ref under every `jax.vmap` call that maps it."""

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Int, Num
 
 from .._buffer import Cache, _LayerBase, host_value
-from .._compat import Tracer, differentiation_trace, unbatched
+from .._compat import Tracer, differentiation_trace, trace_of, unbatched
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -30,26 +30,48 @@ _OVERFLOW = ("raise", "nan")  # what `on_overflow` may be
 _DIFFERENTIATED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def _refuse_second_differentiated_append(
-    cache: KVCache, keys: Any, values: Any
-) -> None:
+_SECOND_APPEND = (
+    "KVCache.append: a second chunk was appended to this cache inside one "
+    "differentiated call (`jax.grad` of a loss, a training step). A cache "
+    "is state, and state is never differentiated: the earlier chunk's keys "
+    "and values would reach this chunk's attention without their gradient, "
+    "so the key and value projections would get a wrong one. Differentiate "
+    "over the whole sequence without a cache (`es.nn.without_kv_cache("
+    "model)`, the causal forward), or one chunk per differentiated call "
+    "(or per `cache.reset()`, which starts a new sequence)."
+)
+
+
+@jax.custom_jvp
+def _not_differentiated(keys: Array, values: Array) -> tuple[Array, Array]:
+    """The identity, refusing to be differentiated: what a second append under one
+    trace returns (see `_second_append`). Unless the function is differentiated
+    later, nothing changes (the call is inlined when compiled)."""
+    return keys, values
+
+
+@_not_differentiated.defjvp
+def _refuse_differentiation(primals: Any, tangents: Any) -> Any:
+    raise StateWriteError(_SECOND_APPEND)
+
+
+def _second_append(cache: KVCache, keys: Any, values: Any) -> bool:
     """A cache's cells are state, which is never differentiated: a chunk's own keys
     and values reach the attention live (see `append`), but those of an earlier
     chunk of the same differentiated call are read back from the cells, without
-    their gradient. Refuse that second append rather than return a gradient that
-    silently lacks them."""
+    their gradient. A second append inside a differentiated call is refused here
+    rather than return a gradient that silently lacks them. Under another trace
+    (a `jit`, a `vmap`), the function may be differentiated after it is traced
+    (`jax.grad(jax.jit(loss))`): then `True`, and `append` returns what it
+    attends over through `_not_differentiated`, which raises the same error if
+    that happens."""
     trace = differentiation_trace(keys) or differentiation_trace(values)
-    if trace is not None and cache._appended_under(trace):
-        raise StateWriteError(
-            "KVCache.append: a second chunk was appended to this cache inside one "
-            "differentiated call (`jax.grad` of a loss, a training step). A cache "
-            "is state, and state is never differentiated: the earlier chunk's keys "
-            "and values would reach this chunk's attention without their gradient, "
-            "so the key and value projections would get a wrong one. Differentiate "
-            "over the whole sequence without a cache (`es.nn.without_kv_cache("
-            "model)`, the causal forward), or one chunk per differentiated call "
-            "(or per `cache.reset()`, which starts a new sequence)."
-        )
+    if trace is not None:
+        if cache._appended_under(trace):
+            raise StateWriteError(_SECOND_APPEND)
+        return False
+    inner = trace_of(keys) or trace_of(values)
+    return inner is not None and cache._appended_under(inner)
 
 
 def _overflow_message(max_len: int) -> str:
@@ -239,7 +261,8 @@ class KVCache(_LayerBase):
         second append inside one differentiated call (`jax.grad` of a loss, a
         step) without a `reset()` between: the returned keys and values carry the
         gradient of this chunk's, but the cache's earlier entries are state, read
-        without one.
+        without one. Where the function is traced first and differentiated
+        after (`jax.grad(jax.jit(loss))`), the error comes from `grad`.
         """
         if self.cursor.value.ndim:
             raise StateValueError(
@@ -286,7 +309,7 @@ class KVCache(_LayerBase):
                 f"{_overflow_message(self.max_len)} (cursor {int(start)}, writing {n} "
                 "positions)"
             )
-        _refuse_second_differentiated_append(self, keys, values)
+        second = _second_append(self, keys, values)
         zero = jnp.zeros((), start.dtype)
         marking = isinstance(start, Tracer) and self.on_overflow == "nan"
         full = []
@@ -310,6 +333,8 @@ class KVCache(_LayerBase):
         self.cursor[...] = start + n
         # What the chunk attends over: the values the cells now hold, with the new
         # keys and values keeping their gradient (a state write does not carry one)
+        if second:
+            return start, *_not_differentiated(full[0], full[1])
         return start, full[0], full[1]
 
     def _appended_under(self, trace: Any) -> bool:

@@ -975,6 +975,46 @@ def test_a_second_chunk_in_one_differentiated_call_is_refused(attn, x):
     np.testing.assert_allclose(out, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("jit", [jax.jit, eqx.filter_jit])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_chunk_traced_first_and_differentiated_after_is_refused(
+    attn, x, jit, mode
+):
+    """`jax.grad(jax.jit(loss))`: the loss is traced by the `jit` before `grad`
+    differentiates it, so no tangent was there to see at the appends, and the
+    gradient of the key and value projections came back wrong (0.4 off) with no
+    error. A second append under one trace now returns what it attends over
+    through an identity that refuses differentiation: the same error, at `grad`.
+    Traced and not differentiated (decoding under `jit`), nothing changes; one
+    chunk per differentiated call is exact (reference: PyTorch)."""
+
+    def fresh():  # (a ref-mode cache keeps what a call wrote)
+        return as_mode(es.nn.with_kv_cache(attn, max_len=10), mode)
+
+    def two_chunks(m, x):
+        y, _ = es.apply(lambda m, x: jnp.concatenate([m(x[:3]), m(x[3:])]), m, x)
+        return jnp.sum(y**2)
+
+    cached = fresh()
+    with pytest.raises(es.StateWriteError, match=r"second chunk.*without_kv_cache"):
+        eqx.filter_grad(jit(two_chunks))(cached, x)
+    assert int(es.freeze(cached).cache.cursor.value) == 0  # nothing written
+    want = (_torch_attention(attn, x)[0].detach().numpy() ** 2).sum()
+    np.testing.assert_allclose(jit(two_chunks)(fresh(), x), want, rtol=1e-5)
+
+    def one_chunk(m, x):
+        y, _ = es.apply(lambda m, x: m(x), m, x)
+        return jnp.sum(y**2)
+
+    grads = eqx.filter_grad(jit(one_chunk))(fresh(), x)
+    np.testing.assert_allclose(
+        grads.key_proj.weight,
+        _torch_attention_grads(attn, x)["key_proj"][0],
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_an_overflowing_write_with_policy_nan_keeps_the_positions_before_it(batched):
     """`dynamic_update_slice` clamps a write past the end, so the NaN of an
