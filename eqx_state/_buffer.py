@@ -1013,5 +1013,12 @@ def params(model: Any) -> Any:
                                es.nn.BatchNorm(3)])
     opt_state = optax.adam(1e-3).init(es.params(model))
     ```
+
+    A model consumed by a donating step raises [`eqx_state.StaleModelError`][]
+    (its arrays are deleted: an optimizer state made from them would fail later,
+    at the step).
     """
+    from ._modes import check_tree_live  # (`_modes` imports this module)
+
+    check_tree_live(model)
     return eqx.filter(model, _is_param, is_leaf=is_state)

@@ -24,6 +24,13 @@ def _as_predicate(only: Any) -> Callable[[Any], bool]:
         isinstance(only, tuple) and all(isinstance(t, type) for t in only)
     ):
         return lambda m: isinstance(m, only)
+    if isinstance(only, eqx.Module):  # callable, but a layer, not a predicate
+        raise StateTypeError(
+            "inference_mode: `only` got a layer instance "
+            f"({type(only).__name__}(...)), which would be called on every layer "
+            f"as a predicate. Pass its type, `only={type(only).__name__}`, or a "
+            "predicate `module -> bool`."
+        )
     if callable(only):
         return lambda m: bool(only(m))
     raise StateTypeError(

@@ -195,6 +195,13 @@ def test_selecting_nothing_is_an_error():
         )
     with pytest.raises(TypeError, match="`only` must be|parameter .only."):  # beartype
         es.inference_mode(Net(), only="BatchNorm")  # pyright: ignore
+    # a layer instance where its type was meant: it is callable, so it was called
+    # on every layer as a predicate (Dropout: "requires a key"; Linear: a bare
+    # TypeError); refused, naming the type to pass
+    for layer in (eqx.nn.Dropout(0.5), es.nn.BatchNorm(4)):
+        with pytest.raises(TypeError, match=r"layer instance.*only=") as e:
+            es.inference_mode(Net(), only=layer)
+        assert isinstance(e.value, es.EqxStateError)
 
 
 class _StaticFlag(eqx.Module):

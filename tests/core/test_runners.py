@@ -879,7 +879,8 @@ def test_an_array_given_to_the_optimizer_outlives_the_first_step(runner, mode, i
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "runner", [*RUNNERS, "apply", "make_apply", "make_apply.scan", "init", "freeze"]
+    "runner",
+    [*RUNNERS, "apply", "make_apply", "make_apply.scan", "init", "freeze", "params"],
 )
 def test_a_stale_model_is_refused_by_every_runner(runner, mode):
     """One message, naming the consumed leaves by path, from every runner and
@@ -899,6 +900,8 @@ def test_a_stale_model_is_refused_by_every_runner(runner, mode):
         "make_apply.scan": lambda: apply.scan(model, xs),
         "init": lambda: step.init(model),
         "freeze": lambda: es.freeze(model),
+        # `optax.adam(...).init(es.params(stale))` succeeded on deleted arrays
+        "params": lambda: es.params(model),
     }
     with pytest.raises(es.StaleModelError) as caught:
         if runner in calls:
