@@ -599,6 +599,12 @@ def decode(sampler: Sampler, prompts, lengths, steps: int, temperature):
 @eqx.filter_jit
 def generate(net: GPT, prompts, lengths, steps: int, temperature, seed):
     """Decode with a fresh batch of caches (value mode, inside `es.apply`)."""
+    context = net.pos.shape[0]  # positions past it would index `pos` out of range,
+    if prompts.shape[1] + steps > context:  # which JAX clamps to the last row
+        raise ValueError(
+            f"generate: a prompt of {prompts.shape[1]} tokens and {steps} new ones "
+            f"exceed the model's context of {context} positions (--seq-len)"
+        )
     cached = es.nn.with_kv_cache(
         net, prompts.shape[1] + steps, batch_size=prompts.shape[0]
     )

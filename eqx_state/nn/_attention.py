@@ -99,6 +99,10 @@ class CausalSelfAttention(_LayerBase):
         are written into the cache at the cursor, and position `i` of the chunk
         attends to every cached position up to `cursor + i`. Decoding a sequence chunk
         by chunk gives the same outputs as the full forward on the whole sequence.
+        A layer called twice in one forward pass (one attention object used at
+        two depths inside a `__call__`) writes both calls into its one cache, and
+        the second attends over the first's keys: give each depth its own layer
+        (the same layer object listed twice in a model gets a cache per place).
         Each call writes state: run it through [`eqx_state.apply`][] (value mode) or
         in ref mode ([`eqx_state.to_refs`][]).
 

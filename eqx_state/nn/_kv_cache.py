@@ -121,8 +121,9 @@ class KVCache(_LayerBase):
     cursor then set to its prompt's length with
     [`eqx_state.nn.truncate_kv_cache`][]. Pad with finite values (a pad token, or
     zeros): a NaN in a padding position reaches the earlier positions' outputs
-    through the masked attention weights (`0 * NaN`), as it does in PyTorch's
-    `scaled_dot_product_attention(is_causal=True)`.
+    through the masked attention weights (`0 * NaN`), as it can in PyTorch's
+    `scaled_dot_product_attention(is_causal=True)` (whose blocked CPU kernel keeps
+    it to some rows at long lengths).
 
     **Overflow.** Writing past `max_len` is an error, never a silent clamp:
 
