@@ -541,12 +541,57 @@ class _Loader:
             return _fresh_refs(module)
         if _is_abstract(module) and len(self.missing) > missing:
             return module  # partly loaded: reported as having no value
-        out = conv.from_torch(module, new)
+        try:
+            out = conv.from_torch(module, new)
+        except Exception as e:  # a registered conversion's own error: say where
+            e.add_note(
+                f"(in the `from_torch` of {type(module).__name__}, loading "
+                f"`{name or 'the model'}`)"
+            )
+            raise
+        _check_converted(name, module, out)
         flat, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_state)
         old, old_treedef = jax.tree_util.tree_flatten(module, is_leaf=is_state)
         if treedef == old_treedef:  # each array where the one it replaces was
             out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
         return to_refs(out) if _has_refs(module) else out
+
+
+def _check_converted(name: str, module: Any, out: Any) -> None:
+    """What a conversion's `from_torch` gave back must be `module` with new
+    values: the same type and structure, each array of the shape and dtype it
+    replaces (a registered conversion could return a slice, a cast, or a bare
+    array, which loaded without a word)."""
+    where = f"`{name or 'the model'}`"
+    fix = (
+        f"The `from_torch` registered for {type(module).__name__} must return the "
+        "module with the loaded values (`from_torch(m, to_torch(m))` gives `m` "
+        "back, e.g. through `eqx.tree_at`)."
+    )
+    if type(out) is not type(module):
+        raise StateValueError(
+            f"Loading {where}: `from_torch` returned a {type(out).__name__}, not a "
+            f"{type(module).__name__}. {fix}"
+        )
+    got, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_state)
+    want, want_treedef = jax.tree_util.tree_flatten(module, is_leaf=is_state)
+    if treedef != want_treedef:
+        raise StateValueError(
+            f"Loading {where}: `from_torch` returned a {type(out).__name__} of "
+            f"another structure than the model's. {fix}"
+        )
+    for (path, a), b in zip(got, want):
+        if is_state(a) or is_state(b):
+            a, b = getattr(a, "value", a), getattr(b, "value", b)
+        if not isinstance(b, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+            continue
+        if jnp.shape(a) != b.shape or jnp.result_type(a) != b.dtype:
+            raise StateValueError(
+                f"Loading {where}: `from_torch` returned "
+                f"{jnp.result_type(a).name}{list(jnp.shape(a))} at "
+                f"`{jax.tree_util.keystr(path)}`, where the model holds "
+                f"{np.dtype(b.dtype).name}{list(b.shape)}. {fix}"
+            )
 
 
 def _cells(tree: Any) -> list[Buffer]:

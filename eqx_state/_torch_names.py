@@ -114,7 +114,10 @@ def register_torch_names(
         provide hold the module's current values, as `to_torch` gave them, so
         `from_torch(m, to_torch(m))` must give `m` back.
     - Shapes and dtypes are checked against `to_torch`'s values before
-        `from_torch` sees them.
+        `from_torch` sees them, and what `from_torch` returns against the
+        module: its type, structure, and each array's shape and dtype (a
+        `ValueError` naming the module's path and the leaf). An error raised
+        inside either function carries a note naming the module being loaded.
 
     **Arguments:**
 

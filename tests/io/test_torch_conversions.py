@@ -383,6 +383,38 @@ def test_register_torch_names_for_a_user_module():
         es.register_torch_names(Affine, {}, lambda m, a: m)  # pyright: ignore
 
 
+class _Scaled(eqx.Module):
+    w: jax.Array
+
+
+@pytest.mark.parametrize(
+    "from_torch,what",
+    [
+        (
+            lambda m, a: _Scaled(a["w"][:1]),
+            r"float32\[1, 3\] at `\.w`.*float32\[2, 3\]",
+        ),
+        (lambda m, a: _Scaled(a["w"].astype(jnp.float16)), r"float16\[2, 3\] at `\.w`"),
+        (lambda m, a: a["w"], r"returned a \w+, not a _Scaled"),
+    ],
+    ids=["a slice", "a cast", "a bare array"],
+)
+def test_what_a_registered_from_torch_returns_is_checked(from_torch, what):
+    """A registered `from_torch` that returned a slice, a cast or a bare array
+    loaded without a word (the model came back of another shape, dtype or
+    structure): refused, naming the module's path and the leaf."""
+    es.register_torch_names(_Scaled, lambda m: {"w": m.w}, from_torch)
+    model = {"head": _Scaled(jnp.ones((2, 3)))}
+    with pytest.raises(
+        ValueError, match=r"Loading `head`: `from_torch` " + ".*" + what
+    ) as e:
+        es.load_state_dict(model, {"head.w": np.zeros((2, 3), np.float32)})
+    assert isinstance(e.value, es.EqxStateError)
+    es.register_torch_names(_Scaled, lambda m: {"w": m.w}, lambda m, a: _Scaled(a["w"]))
+    back = es.load_state_dict(model, {"head.w": np.zeros((2, 3), np.float32)})
+    np.testing.assert_array_equal(back["head"].w, np.zeros((2, 3)))
+
+
 # ------------------------------------------- LSTM/GRU: two biases summed into one
 
 
