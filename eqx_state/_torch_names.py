@@ -117,7 +117,7 @@ def register_torch_names(
         `from_torch` sees them, and what `from_torch` returns against the
         module: its type, structure, and each array's shape and dtype (a
         `ValueError` naming the module's path and the leaf). An error raised
-        inside either function carries a note naming the module being loaded.
+        inside `from_torch` carries a note naming the module being loaded.
 
     **Arguments:**
 
