@@ -391,3 +391,21 @@ def test_numpy_inputs_are_not_shared_with_jax_arrays():
     x[...] = 0.0  # the caller refills its buffer
     assert float(jnp.sum(g)) == 1024.0
     assert float(jnp.sum(restored.running_mean[...])) == 1024.0
+
+
+def test_trace_of_names_the_innermost_trace():
+    """`KVCache.append` tells a second append under one `jit` or `vmap` trace by
+    `trace_of` (JAX's `._trace`): if JAX renames it, this fails, not the check."""
+    seen = []
+
+    def f(x):
+        y = x * 2
+        seen.append((_compat.trace_of(x), _compat.trace_of(y)))
+        return y
+
+    jax.jit(f)(1.0)
+    jax.vmap(f)(jnp.ones(2))
+    for a, b in seen:
+        assert a is not None and a is b
+    assert seen[0][0] is not seen[1][0]
+    assert _compat.trace_of(jnp.ones(2)) is None and _compat.trace_of(1.0) is None
