@@ -281,14 +281,17 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
     ):
         # NumPy data where the model holds a JAX array or a ref (restored without a
         # target, or by a handler that gives NumPy): the JAX array it stands for
-        exact = _exact_cast(path, np.asarray(got), like.dtype)
+        host = np.asarray(got)
+        exact = _exact_cast(path, host, like.dtype)
         # where `like`'s array is (a ref's too: its new ref holds the restored
         # array where the old one's was, as a target restores it)
         on_device = isinstance(like, jax.Ref) or not (
             isinstance(like, Tracer) or like.is_deleted()
         )
         # `restored` is the caller's: not to be shared with the model's arrays
-        exact = private_numpy_copy(exact)
+        # (a cast to `like`'s dtype is a new array already)
+        if exact is host:
+            exact = private_numpy_copy(exact)
         got = jax.device_put(exact, like.sharding) if on_device else jnp.asarray(exact)
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
