@@ -125,14 +125,15 @@ class KVCache(_LayerBase):
     `scaled_dot_product_attention(is_causal=True)` (whose blocked CPU kernel keeps
     it to some rows at long lengths).
 
-    **Overflow.** Writing past `max_len` is an error, never a silent clamp:
+    **Overflow.** Writing past `max_len` is never a silent clamp. With
+    `on_overflow="raise"` (default) it is an error:
 
     - when the cursor is a concrete value (eager calls, ref mode or inside
         `es.apply` without `jit`), a [`eqx_state.StateWriteError`][] is raised
         before anything is written;
-    - under a trace (`jit`, `scan`, `vmap`), with `on_overflow="raise"` (default)
-        the check is an [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/)
-        on the written keys. What is raised at run time depends on what compiled
+    - under a trace (`jit`, `scan`, `vmap`) the check is an
+        [`eqx.error_if`](https://docs.kidger.site/equinox/api/errors/) on the
+        written keys. What is raised at run time depends on what compiled
         the call: under `eqx.filter_jit`, `es.make_apply` and `es.make_step` (the
         decode loops of the docs and the example) an `equinox.EquinoxRuntimeError`
         (a `RuntimeError`) carrying the message below; under
@@ -144,17 +145,20 @@ class KVCache(_LayerBase):
         A failing jitted call may already have consumed the cells it was given
         (donated buffers, or the buffers of ref-mode cells):
         after such an error, build a fresh cache (e.g. with
-        [`eqx_state.nn.with_kv_cache`][]);
-    - with `on_overflow="nan"`, the overflowing chunk's outputs are NaN, and so
-        is every later output, and the computation continues; the cache's
-        positions from the cursor to `max_len` become NaN, those before it are
-        kept (so `truncate` to a length at most the old cursor rewinds to a valid
-        prefix). This check is an
-        elementwise select; `"raise"` is a conditional per write, which on GPU
-        reads the predicate back to the host at every step.
+        [`eqx_state.nn.with_kv_cache`][]).
 
-    In both cases the cursor still advances past `max_len`, so every later write
-    is flagged too, until a reset.
+    With `on_overflow="nan"`, the overflowing chunk's outputs are NaN, and so is
+    every later output, and the computation continues; the cache's positions from
+    the cursor to `max_len` become NaN, those before it are kept (so `truncate` to
+    a length at most the old cursor rewinds to a valid prefix). This is the same
+    on every runner, eager calls included (the numbers and the cache are those of
+    the compiled call). The check is an elementwise select; `"raise"` under a
+    trace is a conditional per write, which on GPU reads the predicate back to
+    the host at every step. (A chunk longer than `max_len` is refused under both
+    policies: its shape alone cannot fit.)
+
+    Under a trace with `"raise"`, and with `"nan"`, the cursor still advances past
+    `max_len`, so every later write is flagged too, until a reset.
 
     **Arguments:**
 
@@ -295,16 +299,21 @@ class KVCache(_LayerBase):
         start = self.cursor[...]
         if n > self.max_len:
             raise StateWriteError(_overflow_message(self.max_len))
-        if isinstance(start, Tracer):
+        marking = self.on_overflow == "nan"
+        if marking:
+            # an elementwise select, no conditional; the same computation whether
+            # the cursor is traced or concrete (eager calls, ref mode), so every
+            # runner gives the same NaN
             overflow = start + n > self.max_len
-            if self.on_overflow == "raise":
-                keys, values = eqx.error_if(
-                    (keys, values), overflow, _overflow_message(self.max_len)
-                )
-            else:  # "nan": an elementwise select, no conditional
-                nan = jnp.asarray(jnp.nan, keys.dtype)
-                keys = jnp.where(overflow, nan, keys)
-                values = jnp.where(overflow, nan, values)
+            nan = jnp.asarray(jnp.nan, keys.dtype)
+            keys = jnp.where(overflow, nan, keys)
+            values = jnp.where(overflow, nan, values)
+        elif isinstance(start, Tracer):
+            keys, values = eqx.error_if(
+                (keys, values),
+                start + n > self.max_len,
+                _overflow_message(self.max_len),
+            )
         elif int(start) + n > self.max_len:
             raise StateWriteError(
                 f"{_overflow_message(self.max_len)} (cursor {int(start)}, writing {n} "
@@ -312,7 +321,6 @@ class KVCache(_LayerBase):
             )
         second = _second_append(self, keys, values)
         zero = jnp.zeros((), start.dtype)
-        marking = isinstance(start, Tracer) and self.on_overflow == "nan"
         full = []
         for cell, new in ((self.keys, keys), (self.values, values)):
             new = jnp.swapaxes(new, 0, 1).astype(cell.dtype)  # [heads, seq, head_dim]

@@ -3,6 +3,8 @@ Equinox's multi-head attention, cached decoding against the uncached forward (ea
 jitted, inside `lax.scan`, both storage modes), overflow, reset, and in-place
 updates."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -456,6 +458,45 @@ def test_overflow_policy_nan():
     # the annotation in the test suite
     with pytest.raises((ValueError, TypeError), match="on_overflow"):
         es.nn.KVCache(3, 1, 1, on_overflow="clamp")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_overflow_policy_nan_is_the_same_on_every_runner(mode):
+    """`on_overflow="nan"` eager (ref mode, or `es.apply` without `jit`) raised a
+    `StateWriteError` where every compiled runner returns NaN: one policy, one
+    result. Each runner: the overflowing chunk's outputs are NaN, the cache keeps
+    the positions before the cursor (the same on every runner, up to the eager
+    projections' rounding) and NaN after it, and truncating back decodes as a float64 NumPy attention."""
+    attn = es.nn.CausalSelfAttention(
+        D, H, max_len=6, on_overflow="nan", key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (9, D))
+    compiled = es.make_apply(_feed, donate=False)
+    runners = {
+        "eager": lambda m, c: call(m, mode, _feed, c),
+        "filter_jit": lambda m, c: jit_call(m, mode, _feed, c),
+        "make_apply": compiled,
+    }
+    caches = {}
+    for name, run in runners.items():
+        m = as_mode(attn, mode)
+        _, m = run(m, x[:4])
+        y, m = run(m, x[4:8])  # 4 + 4 > max_len 6
+        assert np.isnan(np.asarray(y)).all(), name
+        assert int(m.cache.length) == 8, name
+        keys = np.asarray(m.cache.keys[...])
+        assert np.isfinite(keys[:, :4]).all() and np.isnan(keys[:, 4:]).all(), name
+        caches[name] = (keys, np.asarray(m.cache.values[...]))
+        m = es.nn.truncate_kv_cache(m, 4)
+        with warnings.catch_warnings():  # one token after chunks of 4: compiled again
+            warnings.simplefilter("ignore", es.RecompileWarning)
+            y, m = run(m, x[8:9])
+        want = numpy_causal_attention(attn, jnp.concatenate([x[:4], x[8:9]]))[-1]
+        np.testing.assert_allclose(np.asarray(y)[0], want, rtol=1e-4, atol=1e-5)
+    for name in ("filter_jit", "make_apply"):  # eager projections round apart
+        for got, want in zip(caches[name], caches["eager"]):
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want), name)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_cache_is_updated_in_place_under_donation():
