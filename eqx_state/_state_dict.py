@@ -116,7 +116,7 @@ def _export(tree: Any, prefix: str, out: dict[str, Any]) -> None:
             _put(out, name, _host(value, name))
         elif (conv := _converter(leaf)) is not None:
             _check_module(leaf, name)
-            for local, v in _view(leaf, conv).items():
+            for local, v in _view(leaf, conv, name).items():
                 _export(v, _join(name, local), out)
         elif _is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
             _check_live(leaf, name)
@@ -508,7 +508,7 @@ class _Loader:
         _check_module(module, name)
         if isinstance(module, eqx.nn.MultiheadAttention):
             self.attention.append((name, module))
-        view = _view(module, conv)
+        view = _view(module, conv, name)
         aliases = conv.aliases(module)
         where = f"{_desc(module)}, in PyTorch's layout"
         used, missing = len(self.used), len(self.missing)

@@ -104,7 +104,7 @@ def register_torch_names(
         sub-tree (a layer, a list of layers), which is named under its key by the
         same rules, its own conversion included; `None` is skipped. Use `jnp`
         operations only: for an abstract model (`eqx.filter_eval_shape`) it runs
-        under `eqx.filter_eval_shape` to give the shapes In a model stacked with
+        under `eqx.filter_eval_shape` to give the shapes. In a model stacked with
         `eqx.filter_vmap` the module's arrays have leading (stacked) axes: write
         the conversion on the trailing axes (`x[..., :n]`, `axis=-1`) so that it
         holds per member, as the built-in ones do.
@@ -116,8 +116,9 @@ def register_torch_names(
     - Shapes and dtypes are checked against `to_torch`'s values before
         `from_torch` sees them, and what `from_torch` returns against the
         module: its type, structure, and each array's shape and dtype (a
-        `ValueError` naming the module's path and the leaf). An error raised
-        inside `from_torch` carries a note naming the module being loaded.
+        `ValueError` naming the module's path and the leaf); `to_torch` must
+        return a dict from str names (a `TypeError` naming the module). An error
+        raised inside either direction carries a note naming the module.
 
     **Arguments:**
 
@@ -188,18 +189,51 @@ def _is_abstract(tree: Any) -> bool:
     )
 
 
-def _view(module: Any, conv: _Converter) -> dict[str, Any]:
-    """`conv.to_torch(module)`; for an abstract module, its shapes (in order)."""
-    if not _is_abstract(module):
-        return dict(conv.to_torch(module))
-    order: list[list[str]] = []
+def _view(module: Any, conv: _Converter, name: str = "") -> dict[str, Any]:
+    """`conv.to_torch(module)`; for an abstract module, its shapes (in order).
+    `name`: the module's path, for errors. One call of every registered `to_torch`:
+    its output is checked (a dict from str names) and an error raised inside it
+    names the module, as `from_torch`'s do (`_state_dict.converted`)."""
+    abstract = _is_abstract(module)
+    at = f", at `{name}`" if name else ""
 
     def run(m: Any) -> dict[str, Any]:
-        out = dict(conv.to_torch(m))
+        try:
+            out = conv.to_torch(m)
+        except Exception as e:  # a registered conversion's own error: say where
+            how = (
+                " (the model is abstract: `to_torch` ran under "
+                "`eqx.filter_eval_shape`, so it must use `jnp`, not NumPy, on "
+                "the module's arrays)"
+                if abstract
+                else ""
+            )
+            e.add_note(f"(in the `to_torch` of {type(m).__name__}{at}{how})")
+            raise
+        if not isinstance(out, Mapping) or not all(isinstance(k, str) for k in out):
+            raise StateTypeError(
+                f"The `to_torch` registered for {type(m).__name__}{at} returned "
+                + (
+                    "a mapping with a key that is not a str"
+                    if isinstance(out, Mapping)
+                    else f"a {type(out).__name__}"
+                )
+                + ": it must return a dict from local PyTorch names (str, e.g. "
+                '`{"weight": ..., "bias": ...}`) to values, in the order PyTorch '
+                "registers them (see `es.register_torch_names`)."
+            )
+        return dict(out)
+
+    if not abstract:
+        return run(module)
+    order: list[list[str]] = []
+
+    def ordered(m: Any) -> dict[str, Any]:
+        out = run(m)
         order.append(list(out))
         return out
 
-    shapes = eqx.filter_eval_shape(run, module)
+    shapes = eqx.filter_eval_shape(ordered, module)
     return {k: shapes[k] for k in order[0]}
 
 

@@ -415,6 +415,62 @@ def test_what_a_registered_from_torch_returns_is_checked(from_torch, what):
     np.testing.assert_array_equal(back["head"].w, np.zeros((2, 3)))
 
 
+class _Viewed(eqx.Module):
+    w: jax.Array
+
+
+@pytest.mark.parametrize(
+    "to_torch,error,what",
+    [
+        (
+            lambda m: [("w", m.w)],
+            TypeError,
+            r"`to_torch` registered for _Viewed, at `head` returned a list: it "
+            r"must return a dict from local PyTorch names \(str",
+        ),
+        (
+            lambda m: {0: m.w},
+            TypeError,
+            r"_Viewed, at `head` returned a mapping with a key that is not a str",
+        ),
+        (lambda m: {"w": np.log(m.w)}, None, None),
+    ],
+    ids=["a list", "an int key", "NumPy"],
+)
+def test_what_a_registered_to_torch_returns_is_checked(to_torch, error, what):
+    """A registered `to_torch` that returned a list failed with Python's bare
+    `dict()` error; one that used NumPy failed, on an abstract model only, with
+    JAX's bare tracer error. Refused naming the module's path; the error raised
+    inside `to_torch` carries a note naming the module and the fix. Reference for
+    the NumPy case on a concrete model: NumPy's own log."""
+    es.register_torch_names(_Viewed, to_torch, lambda m, a: _Viewed(jnp.exp(a["w"])))
+    try:
+        model = {"head": _Viewed(jnp.full((2, 3), 2.0))}
+        abstract = eqx.filter_eval_shape(lambda: model)
+        if error is not None:
+            for call in (
+                lambda: es.state_dict(model),
+                lambda: es.state_dict(abstract),
+                lambda: es.load_state_dict(model, {"head.w": np.zeros((2, 3))}),
+            ):
+                with pytest.raises(error, match=what) as e:
+                    call()
+                assert isinstance(e.value, es.EqxStateError)
+            return
+        np.testing.assert_array_equal(
+            es.state_dict(model)["head.w"], np.log(np.full((2, 3), 2.0, np.float32))
+        )
+        with pytest.raises(Exception) as e:  # JAX's tracer error, kept as it is
+            es.state_dict(abstract)
+        notes = "\n".join(getattr(e.value, "__notes__", []))
+        assert "in the `to_torch` of _Viewed, at `head`" in notes
+        assert "must use `jnp`, not NumPy" in notes
+    finally:
+        es.register_torch_names(
+            _Viewed, lambda m: {"w": m.w}, lambda m, a: _Viewed(a["w"])
+        )
+
+
 # ------------------------------------------- LSTM/GRU: two biases summed into one
 
 
