@@ -68,6 +68,7 @@ from ._compat import (
     under_trace,
 )
 from ._errors import (
+    NeedsFirstCall,
     RecompileWarning,
     StaleModelError,
     StateError,
@@ -272,6 +273,9 @@ class _Plan:
         self.statics = statics
         self.owner = owner
         self.arg_types: tuple | None = None  # of the last trace (see `note_trace`)
+        # input types whose trace refused the scan (`NeedsFirstCall`): refused
+        # again without tracing again, as `jax.jit` keeps a trace for its types
+        self.refused: dict[tuple, str] | None = None
         jit_kwargs = dict(owner.jit_kwargs)
         # on a mesh (see `_place_on`)
         self.placement: Any = None
@@ -754,6 +758,10 @@ class Compiled:
                 _check_ref_placed(
                     dyn[k], plan.placement[k], sig, leaves, sig.dyn_idx[k]
                 )
+        if plan.refused is not None:
+            why = plan.refused.get(_input_types(dyn, refs))
+            if why is not None:
+                raise NeedsFirstCall(why)
         try:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
@@ -769,6 +777,13 @@ class Compiled:
                 return plan.fn.lower(*inputs)
             (ret, result_dyn), spec = plan.fn(*inputs)
         except Exception as e:
+            if isinstance(e, NeedsFirstCall):
+                # decided by the inputs' types (and the plan's statics): the same
+                # types are refused alike, without tracing the scan again
+                if plan.refused is None:
+                    plan.refused = {}
+                plan.refused[_input_types(dyn, refs)] = str(e)
+                raise
             if (
                 type(e) is Exception
                 and (refs or sig.refbuf_idx)
@@ -1127,6 +1142,12 @@ def _settings(tree: Any) -> list[tuple[Any, Any, Any, int, int]]:
 
 
 _GONE = object()
+
+
+def _input_types(dyn: Sequence[Any], refs: Sequence[Any]) -> tuple:
+    """What a trace of a plan sees of its inputs: each one's shape, dtype and weak
+    type (`jax.typeof`)."""
+    return (*map(jax.typeof, dyn), *map(jax.typeof, refs))
 
 
 def _is_committed(x: Any) -> bool:

@@ -143,6 +143,21 @@ class StepError(StateError):
     """A misuse of `make_step` / `apply` (wrong loss output, changed structure, ...)."""
 
 
+class NeedsFirstCall(StepError):
+    """Raised while tracing a scan whose carry cannot keep one type: a call turns a
+    Python number of the carry into an array (a float hyperparameter), returns a
+    weakly typed array strongly typed (`jnp.asarray(1e-3)` as a learning rate, a
+    weakly typed parameter such as `eqx.nn.PReLU`'s), or returns a leaf of another
+    dtype (Adam's bfloat16 moment promoted by a float32 hyperparameter of
+    `optax.inject_hyperparams`). `K` separate calls compute
+    every call after such a change with the new type, so the runner makes the first
+    call on its own and scans the others (`run_scan`), which equals `K` calls.
+    Raised while tracing, before anything runs; never reaches the user.
+    A compiled runner keeps the refusal for the input types it was raised for
+    (`_dispatch.Compiled.call_flat`), as `jax.jit` keeps a trace: the same types
+    are refused again without tracing again."""
+
+
 class RecompileWarning(UserWarning):
     """A compiled step or apply was compiled again for arguments of new shapes or
     dtypes (e.g. a ragged last batch), or for a changed Python number (e.g. a float

@@ -22,6 +22,7 @@ from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_messag
 from ._compat import Tracer, is_ref_in_filtered_transform, is_unmapped_ref_write
 from ._errors import (
     FILTERED_TRANSFORM_MESSAGE,
+    NeedsFirstCall,
     StateTypeError,
     StateValueError,
     StateWriteError,
@@ -463,18 +464,6 @@ def _accumulate(grad_fn, diff, args, kwargs, k: int):
     grads, (values, aux) = jax.lax.scan(body, zeros, slices)
     grads = jax.tree.map(lambda g: g / k, grads)
     return (jnp.mean(values), eqx.combine(aux, aux_static[-1])), grads
-
-
-class NeedsFirstCall(StepError):
-    """Raised while tracing a scan whose carry cannot keep one type: a call turns a
-    Python number of the carry into an array (a float hyperparameter), returns a
-    weakly typed array strongly typed (`jnp.asarray(1e-3)` as a learning rate, a
-    weakly typed parameter such as `eqx.nn.PReLU`'s), or returns a leaf of another
-    dtype (Adam's bfloat16 moment promoted by a float32 hyperparameter of
-    `optax.inject_hyperparams`). `K` separate calls compute
-    every call after such a change with the new type, so the runner makes the first
-    call on its own and scans the others (`run_scan`), which equals `K` calls.
-    Raised while tracing, before anything runs; never reaches the user."""
 
 
 def run_scan(scan: Any, one: Any, carry: tuple, args: tuple, kwargs: dict) -> Any:

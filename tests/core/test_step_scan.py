@@ -250,6 +250,78 @@ def test_scan_of_a_carry_whose_weak_type_changes_equals_k_steps(weak):
         assert not got.a.weak_type and not got_s.hyperparams["learning_rate"].weak_type
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weak_learning_rate_set_before_every_scan_is_traced_once(mode):
+    """A weakly typed learning rate (`jnp.asarray(lr)`) set before every
+    `step.scan`: the scan's trace refuses that carry type (the first call runs on
+    its own, `NeedsFirstCall`), and the refusal was not kept, so every call traced
+    the scan again (about 60x a call, and no warning). It is kept for those input
+    types: the loss is traced a fixed number of times over 6 calls, not once
+    more per call. Reference: an `eqx.filter_jit` loop of optax's own update with
+    the same learning rates, bit for bit, and K `step` calls."""
+    traces = []
+
+    def loss(m, x):
+        traces.append(None)
+        return jnp.mean((m(x) - 1.0) ** 2)
+
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+
+    def fresh():
+        model = eqx.nn.Sequential(
+            [
+                es.nn.Batched(eqx.nn.Linear(4, 8, key=jax.random.key(0))),
+                es.nn.BatchNorm(8),
+                es.nn.Batched(eqx.nn.Linear(8, 1, key=jax.random.key(1))),
+            ]
+        )
+        return es.to_refs(model) if mode == "ref" else model
+
+    @eqx.filter_jit
+    def ref_step(m, s, x):  # optax's own update; the statistics through es.apply
+        state, p = eqx.partition(m, es.is_state, is_leaf=es.is_state)
+
+        def f(p):
+            return es.apply(loss, eqx.combine(p, state, is_leaf=es.is_state), x)
+
+        (_, new), g = eqx.filter_value_and_grad(f, has_aux=True)(p)
+        u, s = opt.update(g, s, p)
+        new_state = eqx.filter(new, es.is_state, is_leaf=es.is_state)
+        return eqx.combine(eqx.apply_updates(p, u), new_state, is_leaf=es.is_state), s
+
+    xs = jax.random.normal(jax.random.key(2), (6, 3, 16, 4))
+    step = es.make_step(loss, opt)
+    model = fresh()
+    state = step.init(model)
+    stepped = fresh()
+    stepped_s = step.init(stepped)
+    counts = []
+    for j, batch in enumerate(xs):
+        lr = jnp.asarray(1e-2 / (j + 1))
+        assert lr.weak_type
+        state.hyperparams["learning_rate"] = lr
+        model, state = step.scan(model, state, batch)
+        counts.append(len(traces))
+        for x in batch:  # the same K calls of the step
+            stepped_s.hyperparams["learning_rate"] = lr
+            stepped, stepped_s = step(stepped, stepped_s, x)
+    assert counts[-1] == counts[1], counts  # no trace after the second call
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(stepped), strict=True):
+        a, b = (x[...] if isinstance(x, jax.Ref) else x for x in (a, b))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # against optax's own update in a hand-written loop (value mode)
+    ref = fresh()
+    ref = es.freeze(ref) if mode == "ref" else ref
+    ref_s = opt.init(es.params(ref))
+    for j, batch in enumerate(xs):
+        for x in batch:
+            ref_s.hyperparams["learning_rate"] = jnp.asarray(1e-2 / (j + 1))
+            ref, ref_s = ref_step(ref, ref_s, x)
+    got = es.freeze(model) if mode == "ref" else model
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
 def test_a_scan_whose_carry_changes_dtype_every_step_equals_k_steps():
     """A carry with a weakly typed leaf and a leaf whose dtype flips every step
     (one scan cannot carry it): K step calls take it (each call compiles for the
