@@ -8,6 +8,7 @@ result: `eqx.filter_jit(train_step)` computes the same thing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -340,7 +341,55 @@ def _first_difference(made: Any, got: Any) -> str:
         return f"it lacks `opt_state{a[len(b)]}`, which the state for what this step trains has"
     if len(b) > len(a):
         return f"it has `opt_state{b[len(a)]}`, which the state for what this step trains has not"
+    return _first_node_difference(made, got, "")
+
+
+def _first_node_difference(made: Any, got: Any, path: str) -> str:
+    """Where two trees with their leaves at the same paths first differ: a node of
+    another type, or a node whose static data differ (an Equinox layer's sizes are
+    static fields: a state made for a layer of other sizes)."""
+    where = f"`opt_state{path}`"
+    if type(made) is not type(got):
+        return (
+            f"at {where} it holds a {type(got).__name__}, where the state for what "
+            f"this step trains holds a {type(made).__name__}"
+        )
+    m_children = jax.tree_util.tree_flatten_with_path(
+        made, is_leaf=lambda x: x is not made
+    )[0]
+    g_children = jax.tree_util.tree_leaves(got, is_leaf=lambda x: x is not got)
+    if len(m_children) != len(g_children):
+        return (
+            f"at {where} it holds a {type(got).__name__} of {len(g_children)} items, "
+            f"where the state for what this step trains holds {len(m_children)}"
+        )
+    m_td = jax.tree_util.tree_structure(made, is_leaf=lambda x: x is not made)
+    g_td = jax.tree_util.tree_structure(got, is_leaf=lambda x: x is not got)
+    if m_td != g_td:  # this node's own data differ (not its children's)
+        fields = []
+        if isinstance(made, eqx.Module):
+            for f in dataclasses.fields(made):
+                if f.metadata.get("static", False):
+                    a, b = getattr(made, f.name, None), getattr(got, f.name, None)
+                    if _differ(a, b):
+                        fields.append(f"`{f.name}` {b!r} where it is {a!r}")
+        what = (
+            "static fields differ: " + ", ".join(fields)
+            if fields
+            else "own data differ"
+        )
+        return f"at {where} the {type(made).__name__}'s {what}"
+    for (key, a), b in zip(m_children, g_children):
+        if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
+            return _first_node_difference(a, b, path + jax.tree_util.keystr(key))
     return "its leaves are at the same paths, in nodes of other types"
+
+
+def _differ(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:  # an object that cannot say (a NumPy array)
+        return a is not b
 
 
 def _is_predicate(x: Any) -> bool:

@@ -1143,6 +1143,35 @@ def test_an_optimizer_state_of_another_structure_is_named_alike_by_every_runner(
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
+def test_an_optimizer_state_for_other_sizes_or_another_optimizer_is_named(runner):
+    """Equinox keeps a layer's sizes in static fields, so a state made for a model
+    with a wider head differs in structure, not in shapes: the message said "its
+    leaves are at the same paths, in nodes of other types" (not so) and named no
+    place. It names the node and the static field; a state of another optimizer
+    (adamw's, for an adam step) names the node whose item count differs."""
+    model = Net(jax.random.key(0))
+    step = es.make_step(loss_fn, optax.adam(1e-2))
+    wide = eqx.tree_at(
+        lambda m: m.lin2.layer, model, eqx.nn.Linear(8, 5, key=jax.random.key(3))
+    )
+    xs, ys = data()
+    with pytest.raises(
+        es.StepError,
+        match=r"at `opt_state\[0\]\.mu\.lin2\.layer` the Linear's static fields "
+        r"differ: `out_features` 5 where it is 2",
+    ):
+        first_call(runner, step, model, step.init(wide), xs, ys)
+    adamw = optax.adamw(1e-2).init(es.params(model))
+    with pytest.raises(
+        es.StepError,
+        match=r"at `opt_state` it holds a tuple of 3 items, where the state for "
+        r"what this step trains holds 2",
+    ):
+        first_call(runner, step, model, adamw, xs, ys)
+    assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_what_was_consumed_is_named_alike_by_every_runner(runner):
     """A stale optimizer state with a fresh model names the optimizer state and its
     leaves; a deleted argument names the argument and leaves the model alone (it
