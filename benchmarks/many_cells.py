@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -44,6 +45,9 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 # The limit issue 11 sets for eqx_state's growth: the same Equinox model under jax.jit.
 LIMIT = "eqx_jit"
+# issue 23: ref mode's slope at most this × value mode's (run.py's ISSUE23_SLOPE,
+# which its summary applies to the same difference)
+ISSUE23_SLOPE = 1.10
 
 
 def _step_overhead() -> Any:
@@ -77,6 +81,10 @@ def fit(by_n: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     if all(LIMIT in rows for rows in by_n.values()):
         vs = stats.fit_many(by_n, LIMIT)
         out[LIMIT] = {k: v for k, v in vs.items() if k.startswith("es_")}
+    if all("es_ref" in rows and "es_value" in rows for rows in by_n.values()):
+        # issue 23: ref mode's extra cost per BatchNorm over value mode's, from the
+        # same-round difference (the load both share does not widen its interval)
+        out["ref_value"] = stats.fit_many(by_n, "es_value")["es_ref"]
     return out
 
 
@@ -182,6 +190,22 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
                     for n, f in fits[LIMIT].items()
                 ],
             ),
+            "",
+        ]
+    if "ref_value" in fits:
+        value_b = fits["pure_jax"]["es_value"]["slope"]
+        limit = (ISSUE23_SLOPE - 1) * value_b
+        lines += [
+            "## Ref mode against value mode (issue 23: ≤ value's slope + 10 %)",
+            "",
+            *_step_overhead().stats.markdown_table(
+                growth_header,
+                [_growth_row("es_ref − es_value", fits["ref_value"], " µs/BN")],
+            ),
+            "",
+            f"Limit: {ISSUE23_SLOPE - 1:.2f} × es_value's slope over pure JAX "
+            f"({value_b:.2f} µs/BN) = {limit:.2f} µs/BN: "
+            + _step_overhead().stats.verdict(fits["ref_value"]["slope_ci"], limit),
             "",
         ]
     lines += [
@@ -296,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--tiny", action="store_true", help="N = 1, 3; width 4; 3 rounds of 2 steps"
     )
     parser.add_argument("--out", type=Path, default=_HERE)
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also save the raw result (every round) to this file, for a report "
+        "computed later (`benchmarks/run.py` keeps its own in results.json)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.n, args.width, args.batch = [1, 3], 4, 4
@@ -334,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "model": f"residual MLP, width {args.width}, batch {args.batch}",
     }
     so.write_report(args.out, "many_cells", markdown(result, meta), plot, result)
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"meta": meta, "result": result}, indent=1), "utf-8"
+        )
     return result
 
 
