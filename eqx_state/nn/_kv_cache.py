@@ -151,8 +151,9 @@ class KVCache(_LayerBase):
     every later output, and the computation continues; the cache's positions from
     the cursor to `max_len` become NaN, those before it are kept (so `truncate` to
     a length at most the old cursor rewinds to a valid prefix). This is the same
-    on every runner, eager calls included (the numbers and the cache are those of
-    the compiled call). The check is an elementwise select; `"raise"` under a
+    on every runner, eager calls included: the same NaN outputs and cache
+    positions as the compiled call (the valid positions up to the rounding of
+    eagerly computed projections). The check is an elementwise select; `"raise"` under a
     trace is a conditional per write, which on GPU reads the predicate back to
     the host at every step. (A chunk longer than `max_len` is refused under both
     policies: its shape alone cannot fit.)
@@ -304,10 +305,13 @@ class KVCache(_LayerBase):
             # an elementwise select, no conditional; the same computation whether
             # the cursor is traced or concrete (eager calls, ref mode), so every
             # runner gives the same NaN
+            # (in the cells' dtypes, which the write casts to anyway: integer
+            # keys have no NaN)
             overflow = start + n > self.max_len
-            nan = jnp.asarray(jnp.nan, keys.dtype)
-            keys = jnp.where(overflow, nan, keys)
-            values = jnp.where(overflow, nan, values)
+            keys = keys.astype(self.keys.dtype)
+            values = values.astype(self.values.dtype)
+            keys = jnp.where(overflow, jnp.asarray(jnp.nan, keys.dtype), keys)
+            values = jnp.where(overflow, jnp.asarray(jnp.nan, values.dtype), values)
         elif isinstance(start, Tracer):
             keys, values = eqx.error_if(
                 (keys, values),

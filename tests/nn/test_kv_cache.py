@@ -499,6 +499,30 @@ def test_overflow_policy_nan_is_the_same_on_every_runner(mode):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_overflow_policy_nan_takes_integer_keys_as_raise_does(mode):
+    """Integer keys and values are cast to the cache's dtype, under both policies:
+    `on_overflow="nan"` built its NaN in the keys' dtype and failed ("cannot
+    convert float NaN to integer") on every append, eager and compiled.
+    Reference: the `"raise"` cache's bytes, and NumPy's layout after an overflow."""
+    k = jnp.arange(4, dtype=jnp.int32).reshape(2, 1, 2)
+    got = {}
+    for policy in ("raise", "nan"):
+        cache = as_mode(es.nn.KVCache(3, 1, 2, on_overflow=policy), mode)
+        _, cache = call(cache, mode, lambda c: c.append(k, k))
+        got[policy] = np.asarray(cache.keys[...])
+    np.testing.assert_array_equal(got["nan"], got["raise"])
+    np.testing.assert_array_equal(got["nan"][0, :2], np.arange(4.0).reshape(2, 2))
+    _, cache = jit_call(cache, mode, _append_both, k)  # 2 + 2 > 3
+    keys = np.asarray(cache.keys[...])[0]
+    np.testing.assert_array_equal(keys[:2], np.arange(4.0).reshape(2, 2))
+    assert np.isnan(keys[2:]).all() and int(cache.length) == 4
+
+
+def _append_both(c, k):
+    return c.append(k, k)
+
+
 def test_cache_is_updated_in_place_under_donation():
     """The compiled decode step aliases the donated cache to its output and needs no
     temporary the size of the cache: no second copy."""
