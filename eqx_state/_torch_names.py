@@ -117,7 +117,8 @@ def register_torch_names(
         `from_torch` sees them, and what `from_torch` returns against the
         module: its type, structure, and each array's shape and dtype (a
         `ValueError` naming the module's path and the leaf); `to_torch` must
-        return a dict from str names (a `TypeError` naming the module). An error
+        return a dict (or `(name, value)` pairs) with str names (a `TypeError`
+        naming the module). An error
         raised inside either direction carries a note naming the module.
 
     **Arguments:**
@@ -205,24 +206,29 @@ def _view(module: Any, conv: _Converter, name: str = "") -> dict[str, Any]:
                 " (the model is abstract: `to_torch` ran under "
                 "`eqx.filter_eval_shape`, so it must use `jnp`, not NumPy, on "
                 "the module's arrays)"
-                if abstract
+                if abstract and isinstance(e, jax.errors.TracerArrayConversionError)
                 else ""
             )
             e.add_note(f"(in the `to_torch` of {type(m).__name__}{at}{how})")
             raise
-        if not isinstance(out, Mapping) or not all(isinstance(k, str) for k in out):
+        fix = (
+            ": it must return a dict from local PyTorch names (str, e.g. "
+            '`{"weight": ..., "bias": ...}`) to values, in the order PyTorch '
+            "registers them (see `es.register_torch_names`)."
+        )
+        try:
+            view = dict(out)  # (a dict, or what `dict()` takes: (name, value) pairs)
+        except (TypeError, ValueError) as e:
             raise StateTypeError(
-                f"The `to_torch` registered for {type(m).__name__}{at} returned "
-                + (
-                    "a mapping with a key that is not a str"
-                    if isinstance(out, Mapping)
-                    else f"a {type(out).__name__}"
-                )
-                + ": it must return a dict from local PyTorch names (str, e.g. "
-                '`{"weight": ..., "bias": ...}`) to values, in the order PyTorch '
-                "registers them (see `es.register_torch_names`)."
+                f"The `to_torch` registered for {type(m).__name__}{at} returned a "
+                f"{type(out).__name__} that is no mapping{fix}"
+            ) from e
+        if not all(isinstance(k, str) for k in view):
+            raise StateTypeError(
+                f"The `to_torch` registered for {type(m).__name__}{at} returned a "
+                f"name that is not a str{fix}"
             )
-        return dict(out)
+        return view
 
     if not abstract:
         return run(module)

@@ -423,26 +423,29 @@ class _Viewed(eqx.Module):
     "to_torch,error,what",
     [
         (
-            lambda m: [("w", m.w)],
+            lambda m: [m.w],
             TypeError,
-            r"`to_torch` registered for _Viewed, at `head` returned a list: it "
-            r"must return a dict from local PyTorch names \(str",
+            r"`to_torch` registered for _Viewed, at `head` returned a list that is "
+            r"no mapping: it must return a dict from local PyTorch names \(str",
         ),
         (
             lambda m: {0: m.w},
             TypeError,
-            r"_Viewed, at `head` returned a mapping with a key that is not a str",
+            r"_Viewed, at `head` returned a name that is not a str",
         ),
+        (lambda m: [("w", jnp.log(m.w))], None, None),
         (lambda m: {"w": np.log(m.w)}, None, None),
     ],
-    ids=["a list", "an int key", "NumPy"],
+    ids=["a list of arrays", "an int key", "pairs", "NumPy"],
 )
 def test_what_a_registered_to_torch_returns_is_checked(to_torch, error, what):
-    """A registered `to_torch` that returned a list failed with Python's bare
-    `dict()` error; one that used NumPy failed, on an abstract model only, with
-    JAX's bare tracer error. Refused naming the module's path; the error raised
-    inside `to_torch` carries a note naming the module and the fix. Reference for
-    the NumPy case on a concrete model: NumPy's own log."""
+    """A registered `to_torch` that returned a list of arrays failed with Python's
+    bare `dict()` error ("unhashable type"), and an int name was not refused with
+    the fix; one that used NumPy failed, on an abstract model only,
+    with JAX's bare tracer error. Refused naming the module's path; the error
+    raised inside `to_torch` carries a note naming the module and, for NumPy on an
+    abstract model, the fix. `(name, value)` pairs, which `dict()` takes, work as
+    before. Reference: NumPy's own log."""
     es.register_torch_names(_Viewed, to_torch, lambda m, a: _Viewed(jnp.exp(a["w"])))
     try:
         model = {"head": _Viewed(jnp.full((2, 3), 2.0))}
@@ -457,9 +460,14 @@ def test_what_a_registered_to_torch_returns_is_checked(to_torch, error, what):
                     call()
                 assert isinstance(e.value, es.EqxStateError)
             return
-        np.testing.assert_array_equal(
-            es.state_dict(model)["head.w"], np.log(np.full((2, 3), 2.0, np.float32))
+        np.testing.assert_allclose(
+            es.state_dict(model)["head.w"],
+            np.log(np.full((2, 3), 2.0, np.float32)),
+            rtol=1e-6,
         )
+        if isinstance(to_torch(model["head"]), list):  # pairs: abstract too
+            assert es.state_dict(abstract)["head.w"].shape == (2, 3)
+            return
         with pytest.raises(Exception) as e:  # JAX's tracer error, kept as it is
             es.state_dict(abstract)
         notes = "\n".join(getattr(e.value, "__notes__", []))
