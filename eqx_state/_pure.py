@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import reprlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -350,9 +351,19 @@ def _first_node_difference(made: Any, got: Any, path: str) -> str:
     static fields: a state made for a layer of other sizes)."""
     where = f"`opt_state{path}`"
     if type(made) is not type(got):
+        a, b = type(made), type(got)
+        if a.__name__ == b.__name__:  # two classes of one name: say whose
+            a_name, b_name = (f"{t.__module__}.{t.__qualname__}" for t in (a, b))
+        else:
+            a_name, b_name = a.__name__, b.__name__
         return (
-            f"at {where} it holds a {type(got).__name__}, where the state for what "
-            f"this step trains holds a {type(made).__name__}"
+            f"at {where} it holds {_a(b_name)}, where the state for what this step "
+            f"trains holds {_a(a_name)}"
+        )
+    if isinstance(made, dict) and isinstance(got, dict) and made.keys() != got.keys():
+        return (
+            f"at {where} it has the keys {sorted(map(str, got))}, where the state "
+            f"for what this step trains has {sorted(map(str, made))}"
         )
     m_children = jax.tree_util.tree_flatten_with_path(
         made, is_leaf=lambda x: x is not made
@@ -360,8 +371,9 @@ def _first_node_difference(made: Any, got: Any, path: str) -> str:
     g_children = jax.tree_util.tree_leaves(got, is_leaf=lambda x: x is not got)
     if len(m_children) != len(g_children):
         return (
-            f"at {where} it holds a {type(got).__name__} of {len(g_children)} items, "
-            f"where the state for what this step trains holds {len(m_children)}"
+            f"at {where} it holds {_a(type(got).__name__)} of {len(g_children)} "
+            f"items, where the state for what this step trains holds "
+            f"{len(m_children)}"
         )
     m_td = jax.tree_util.tree_structure(made, is_leaf=lambda x: x is not made)
     g_td = jax.tree_util.tree_structure(got, is_leaf=lambda x: x is not got)
@@ -372,7 +384,10 @@ def _first_node_difference(made: Any, got: Any, path: str) -> str:
                 if f.metadata.get("static", False):
                     a, b = getattr(made, f.name, None), getattr(got, f.name, None)
                     if _differ(a, b):
-                        fields.append(f"`{f.name}` {b!r} where it is {a!r}")
+                        fields.append(
+                            f"`{f.name}` {reprlib.repr(b)} where it is "
+                            f"{reprlib.repr(a)}"
+                        )
         what = (
             "static fields differ: " + ", ".join(fields)
             if fields
@@ -383,6 +398,11 @@ def _first_node_difference(made: Any, got: Any, path: str) -> str:
         if jax.tree_util.tree_structure(a) != jax.tree_util.tree_structure(b):
             return _first_node_difference(a, b, path + jax.tree_util.keystr(key))
     return "its leaves are at the same paths, in nodes of other types"
+
+
+def _a(name: str) -> str:
+    """`name` with its indefinite article."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _differ(a: Any, b: Any) -> bool:

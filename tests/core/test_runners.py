@@ -1168,6 +1168,16 @@ def test_an_optimizer_state_for_other_sizes_or_another_optimizer_is_named(runner
         r"what this step trains holds 2",
     ):
         first_call(runner, step, model, adamw, xs, ys)
+    # a multi_transform state for other labels (inner states without leaves)
+    by = lambda name: lambda p: jax.tree.map(lambda _: name, p)  # noqa: E731
+    multi = es.make_step(loss_fn, optax.multi_transform({"a": optax.sgd(0.1)}, by("a")))
+    other = optax.multi_transform({"b": optax.sgd(0.1)}, by("b"))
+    with pytest.raises(
+        es.StepError,
+        match=r"at `opt_state\.inner_states` it has the keys \['b'\], where the "
+        r"state for what this step trains has \['a'\]",
+    ):
+        first_call(runner, multi, model, other.init(es.params(model)), xs, ys)
     assert int(model.bn.num_batches_tracked[...]) == 0  # nothing ran
 
 
