@@ -762,6 +762,7 @@ class Compiled:
             why = plan.refused.get(_input_types(dyn, refs))
             if why is not None:
                 raise NeedsFirstCall(why)
+        given = dyn  # (the types a refusal is kept under: before any placement)
         try:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
@@ -782,7 +783,7 @@ class Compiled:
                 # types are refused alike, without tracing the scan again
                 if plan.refused is None:
                     plan.refused = {}
-                plan.refused[_input_types(dyn, refs)] = str(e)
+                plan.refused[_input_types(given, refs)] = str(e)
                 raise
             if (
                 type(e) is Exception
