@@ -904,7 +904,9 @@ def test_step_scan_records_every_step(ref_mode):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     _check(got, "recs.0", seen)
-    np.testing.assert_array_equal(got["cap"], seen[-1])
+    # `seen` is an eager forward: XLA's compiled step may contract a multiply-add
+    # into one rounding (CPU-dependent), so the capture equals it to the last ulp
+    np.testing.assert_allclose(got["cap"], seen[-1], rtol=1e-5, atol=1e-6)
 
     def per_step(m, x, y):
         m = es.reset(m, es.RecordState)
