@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -172,8 +173,7 @@ def batched_identity(x: Any) -> Any:
 def ref_is_consumed(ref: Any) -> bool:
     """Whether a concrete ref's array was deleted (donated by a call that failed).
 
-    JAX keeps a concrete ref's array in `ref._refs._buf` (read only here, never
-    written)."""
+    JAX keeps a concrete ref's array in `ref._refs._buf` (see `ref_buffer`)."""
     if type(ref) is not jax.Ref:
         return False
     buf = getattr(getattr(ref, "_refs", None), "_buf", None)
@@ -196,12 +196,38 @@ def ref_buffer(ref: Any) -> jax.Array:
     return ref._refs._buf
 
 
+def ref_buffers(refs: Sequence[Any]) -> list[jax.Array]:
+    """`ref_buffer` of each of `refs` (one call for all the cells of a step)."""
+    return [r._refs._buf for r in refs]
+
+
 def set_ref_buffer(ref: Any, new: jax.Array) -> None:
-    """Put `new` into a concrete ref in place of its array, as JAX does with the
-    output of a compiled call that wrote the ref (`pxla.ExecuteReplicated`:
-    `args[i]._refs._buf._replace_with(out)`): the ref's array object takes `new`'s
-    buffer, so every holder of the ref sees the new value."""
-    ref._refs._buf._replace_with(new)
+    """Make `new` the array a concrete ref holds. Every holder of the ref sees it:
+    a `jax.Ref` reads its array through its `ArrayRefImpl` (`ref._refs._buf`, a
+    mutable field) at each use, eager or compiled. JAX's own write-back of a
+    compiled call instead moves the output's buffer into the old array object
+    (`pxla.ExecuteReplicated`: `args[i]._refs._buf._replace_with(out)`, ~1 us per
+    ref against a fraction of one); the two differ only for a holder of that old array
+    object itself, and the library hands it to no one but the call it donates it
+    to (`ref_buffer` in `_dispatch`), so after the call nothing holds it. `new` is
+    taken as it is (not copied): it must be an array no one else holds."""
+    ref._refs._buf = new
+
+
+def any_committed(arrays: Sequence[jax.Array]) -> bool:
+    """Whether any of `arrays` (concrete) is committed to its device: `x.committed`
+    without its Python property (~0.07 us against ~0.2 us an array; a step reads
+    it for every ref-mode cell)."""
+    return any(map(_COMMITTED, arrays))
+
+
+_COMMITTED = operator.attrgetter("_committed")
+
+
+def set_ref_buffers(refs: Sequence[Any], new: Sequence[jax.Array]) -> None:
+    """`set_ref_buffer` for each pair of `refs` and `new`."""
+    for r, x in zip(refs, new):
+        r._refs._buf = x
 
 
 def is_incompatible_devices_error(e: BaseException) -> bool:

@@ -54,6 +54,7 @@ from ._buffer import (
 from ._checkpoint import _is_python_scalar
 from ._compat import (
     Tracer,
+    any_committed,
     batched_identity,
     equinox_runtime_error,
     is_batched,
@@ -64,7 +65,8 @@ from ._compat import (
     private_numpy_copy,
     quiet_equinox_callback_log,
     ref_buffer,
-    set_ref_buffer,
+    ref_buffers,
+    set_ref_buffers,
     under_trace,
 )
 from ._errors import (
@@ -135,28 +137,40 @@ class _Static:
 class _OutSpec:
     """What one trace learned about its outputs (travels back inside `_Static`)."""
 
-    __slots__ = ("ret_pos", "static_out", "result_static", "_gather")
+    __slots__ = ("ret_pos", "static_out", "result_static", "_gather", "_refbufs")
 
     def __init__(self, ret_pos, static_out, result_static):
         self.ret_pos = ret_pos
         self.static_out = static_out
         self.result_static = result_static
         self._gather: Any = None
+        self._refbufs: Any = None
 
-    def new_carry(self, carry_leaves: Sequence[Any], ret: list) -> list:
+    def new_carry(
+        self, carry_leaves: Sequence[Any], ret: list, keep: tuple[int, ...]
+    ) -> list:
         """The new carry's leaves: `ret[j]` at position `ret_pos[j]`, the caller's
-        leaf elsewhere (one C-level gather per call, built on the first)."""
+        leaf elsewhere and at the positions `keep` (ref-mode cells: the ref stays,
+        its new array is `refbuf_outputs`). One C-level gather per call, built on
+        the first (`keep` is the signature's, the same at every call)."""
         gather = self._gather
         if gather is None:
             n = len(carry_leaves)
             src = list(range(n))
+            kept = set(keep)
             for j, i in enumerate(self.ret_pos):
-                src[i] = n + j
+                if i not in kept:
+                    src[i] = n + j
             gather = self._gather = _getter(tuple(src))
+            self._refbufs = _getter(tuple(self.ret_pos.index(i) for i in keep))
         out = gather([*carry_leaves, *ret])
         for i, v in self.static_out:
             out[i] = v
         return out
+
+    def refbuf_outputs(self, ret: list) -> list:
+        """The new arrays of the ref-mode cells (`new_carry`'s `keep`), in order."""
+        return self._refbufs(ret)
 
 
 class _Signature:
@@ -200,6 +214,11 @@ class _Signature:
         self.ref_idx = tuple(i for i, k in enumerate(kinds) if k == _REF)
         self.static_idx = tuple(i for i, k in enumerate(kinds) if k == _STATIC)
         self.get_dyn = _getter(self.dyn_idx)
+        # the refs of ref-mode cells, and `dyn` gathered from the leaves followed
+        # by those refs' arrays (`call_flat`: one C-level gather per call)
+        self.get_refbufs = _getter(self.refbuf_idx)
+        refbuf_at = {i: self.n_leaves + j for j, i in enumerate(self.refbuf_idx)}
+        self.get_dyn_bufs = _getter(tuple(refbuf_at.get(i, i) for i in self.dyn_idx))
         self.get_refs = _getter(self.ref_idx)
         self.get_static = _getter(self.static_idx)
         # one bool per carry leaf: which positions the function replaces; a ref's
@@ -662,7 +681,9 @@ class Compiled:
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
                 frozen = None
-            new_leaves, result = self.call_flat(leaves, treedef, args, kwargs)
+            new_leaves, result = self.call_flat(
+                leaves, treedef, args, kwargs, known=frozen is not None
+            )
             new = treedef.unflatten(new_leaves)
             self._remember(new, new_leaves, treedef, frozen)
             return new, result
@@ -695,31 +716,39 @@ class Compiled:
         args: tuple,
         kwargs: dict,
         lower: bool = False,
+        known: bool = False,
     ) -> Any:
         """The call on a flattened carry: returns the new carry's leaves and the
-        result. The one path of every runner (see the module docstring)."""
+        result. The one path of every runner (see the module docstring). `known`:
+        `carry_leaves` are the very leaves the previous call returned (a loop's
+        carry), whose refs that call checked."""
         arg_leaves, arg_td = jax.tree_util.tree_flatten((args, kwargs))
         leaves = [*carry_leaves, *arg_leaves]
         sig = self._signature(carry_leaves, carry_td, leaves, arg_td)
-        dyn = sig.get_dyn(leaves)
+        refs = sig.get_refs(leaves)
+        if sig.refbuf_ks:  # a ref-mode cell runs as a value-mode one: its array
+            cells = sig.get_refbufs(leaves)
+            n_refs = len(refs) + len(cells)
+            # Two cells sharing one ref would each write it: refused. A carry the
+            # previous call returned (`known`) holds the refs that call checked.
+            if (
+                n_refs > 1
+                and (refs or not known)
+                and len(set(map(id, (*cells, *refs)))) != n_refs
+            ):
+                _refuse_shared_refs(sig, leaves)
+            bufs = ref_buffers(cells)
+            dyn = sig.get_dyn_bufs([*leaves, *bufs])
+        else:
+            cells = bufs = ()
+            if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
+                _refuse_shared_refs(sig, leaves)
+            dyn = sig.get_dyn(leaves)
         numpy_ks = sig.numpy_ks
         if numpy_ks is None:  # a traced signature: NumPy and JAX arrays share it
             numpy_ks = [k for k, x in enumerate(dyn) if isinstance(x, np.ndarray)]
         for k in numpy_ks:  # read as given (see `_Signature.numpy_ks`)
             dyn[k] = private_numpy_copy(dyn[k])
-        refs = sig.get_refs(leaves)
-        if sig.refbuf_ks:
-            n_refs = len(refs) + len(sig.refbuf_ks)
-            if (
-                n_refs > 1
-                and len({id(leaves[i]) for i in (*sig.ref_idx, *sig.refbuf_idx)})
-                != n_refs
-            ):
-                _refuse_shared_refs(sig, leaves)
-            for k in sig.refbuf_ks:  # a ref-mode cell runs as a value-mode one
-                dyn[k] = ref_buffer(dyn[k])
-        elif len(refs) > 1 and len(set(map(id, refs))) != len(refs):
-            _refuse_shared_refs(sig, leaves)
         statics = tuple(sig.get_static(leaves)) if sig.static_idx else ()
         # Aliasing, for donation only (the same buffer cannot be donated twice):
         # results never depend on it.
@@ -766,7 +795,11 @@ class Compiled:
         try:
             if plan.placement is not None:
                 dyn = plan.put(dyn)  # on the mesh: where the compiled step takes them
-            elif refs or sig.refbuf_ks:
+            elif refs or (sig.refbuf_ks and any_committed(bufs)):
+                # A call that takes refs commits its outputs (JAX counts a ref as
+                # committed), as does an eager ref read or write JAX runs: commit
+                # the whole carry once, so that it stays one compilation. A
+                # ref-mode carry otherwise stays uncommitted, as a value-mode one.
                 dyn = _committed(dyn, sig.n_carry_dyn)
             inputs = (
                 plan.get_donated(dyn),
@@ -806,14 +839,16 @@ class Compiled:
                 )
             raise
         spec = spec.value
-        out = spec.new_carry(carry_leaves, plan.returned(ret, spec))
-        for i in sig.refbuf_idx:  # the new arrays go back into their refs
-            ref, new = carry_leaves[i], out[i]
-            if isinstance(new, Tracer):  # staged into an outer trace
-                ref[...] = new
+        ret = plan.returned(ret, spec)
+        # a ref-mode cell's position keeps its ref, which takes the new array
+        out = spec.new_carry(carry_leaves, ret, sig.refbuf_idx)
+        if sig.refbuf_idx:
+            news = spec.refbuf_outputs(ret)
+            if isinstance(news[0], Tracer):  # staged into an outer trace
+                for ref, new in zip(cells, news):
+                    ref[...] = new
             else:
-                set_ref_buffer(ref, new)
-            out[i] = ref
+                set_ref_buffers(cells, news)
         if spec.result_static is None:
             return out, result_dyn
         return out, eqx.combine(result_dyn, spec.result_static)
@@ -1030,6 +1065,7 @@ class Owned:
     def __init__(self, compiled: Compiled, carry: tuple):
         self._compiled = compiled
         self._leaves, self._treedef = jax.tree_util.tree_flatten(carry)
+        self._known = False
         self._released = False
         self._settings = _settings(carry)
         self._names = (
@@ -1089,8 +1125,9 @@ class Owned:
             self._read_settings()
         with GcPaused():
             self._leaves, result = self._compiled.call_flat(
-                self._leaves, self._treedef, args, kwargs
+                self._leaves, self._treedef, args, kwargs, known=self._known
             )
+        self._known = True  # the leaves the call returned (see `call_flat`)
         return result
 
     def release(self) -> tuple:
@@ -1157,9 +1194,9 @@ def _is_committed(x: Any) -> bool:
 
 def _committed(dyn: list, n: int) -> list:
     """The carry's arrays (the first `n` of `dyn`) committed to their device. A
-    call with refs commits its outputs (a ref's array is committed), and `jax.jit`
-    compiles separately for committed and uncommitted inputs: committing a fresh
-    model's arrays up front keeps a ref-mode step at one compilation. The
+    call that takes refs commits its outputs (JAX counts a ref as committed), and
+    `jax.jit` compiles separately for committed and uncommitted inputs:
+    committing the whole carry up front keeps such calls at one compilation. The
     arguments are left as they come (a fresh batch each call, uncommitted every
     time: no new compilation, and no copy)."""
     # After a call every array it returned is committed: when the model's first

@@ -271,11 +271,12 @@ def _witness(v: Any) -> jax.Array:
         return jnp.zeros(shape, _WITNESS_DTYPE)
     w = jnp.zeros(shape, _WITNESS_DTYPE)
     sharding = getattr(v, "sharding", None)
-    if isinstance(
+    if getattr(v, "committed", False) and isinstance(
         sharding, jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding
     ):
         # committed where the cell is, as the cell's ref is: a compiled call takes
-        # the witness as it is (an uncommitted one would be moved at every call)
+        # the witness as it is (an uncommitted one would be moved at every call);
+        # an uncommitted cell (a fresh model's) gets an uncommitted one
         w = jax.device_put(w, sharding)
     return w
 
@@ -451,10 +452,12 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
         v = buf.value
         if _is_ref(v):
             return buf
-        if isinstance(v, jax.Array) and not isinstance(v, Tracer):
-            # committed, as it will be after the first call that writes it (jit
-            # compiles separately for committed and uncommitted inputs)
-            v = jax.device_put(v, v.sharding if sharding is None else sharding)
+        if (
+            sharding is not None
+            and isinstance(v, jax.Array)
+            and not isinstance(v, Tracer)
+        ):
+            v = jax.device_put(v, sharding)
         return _rebuild(buf, value=jax.new_ref(v, kind=REF_KIND), witness=_witness(v))
 
     return _map_cells_with_path(one, model, model=True)

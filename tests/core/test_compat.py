@@ -2,6 +2,7 @@
 tests check each one against the installed JAX, so that an upgrade that moves or
 changes one fails here, loudly, instead of somewhere inside a training step."""
 
+import copy
 import functools
 import pathlib
 import re
@@ -277,6 +278,26 @@ def test_ref_buffer_is_the_array_jax_passes_and_replaces():
     # and JAX's own write-back of a jitted ref argument goes through the same array
     jax.jit(lambda ref: ref.__setitem__(Ellipsis, ref[...] + 1.0))(r)
     assert _compat.ref_buffer(r).tolist() == [2.0] * 3
+    # a copy of the ref (`Ref` objects sharing its `ArrayRefImpl`) sees the new
+    # array: what `set_ref_buffer` relies on
+    twin = copy.copy(r)
+    new = jax.jit(lambda a: a * 3.0, donate_argnums=0)(_compat.ref_buffer(r))
+    _compat.set_ref_buffers([r], [new])
+    assert twin[...].tolist() == [6.0] * 3
+    assert _compat.ref_buffers([r, twin]) == [new, new]
+
+
+def test_committed_flag_is_the_public_one():
+    """`any_committed` reads JAX's private `_committed` (the property's field)."""
+    fresh = jnp.zeros(3)
+    placed = jax.device_put(jnp.zeros(3), jax.devices()[0])
+    assert fresh.committed is False and placed.committed is True
+    assert not _compat.any_committed([fresh, fresh])
+    assert _compat.any_committed([fresh, placed])
+    # JAX counts a ref as committed: a call taking one commits its outputs
+    r = jax.new_ref(jnp.zeros(3))
+    assert not _compat.ref_buffer(r).committed
+    assert jax.jit(lambda ref, x: x + ref[...])(r, fresh).committed
 
 
 def test_deleted_array_error_is_recognised():
