@@ -18,11 +18,14 @@ import numpy as np
 from ._compat import (
     REF_TYPES,
     Tracer,
+    array_copy,
+    declared_weak,
     is_batched,
     is_concrete_ref,
     is_escaped_ref_error,
     ref_buffer,
     ref_is_consumed,
+    ref_value_copy,
     set_ref_buffer,
     unbatched,
     under_trace,
@@ -194,9 +197,11 @@ class Buffer(eqx.Module):
         if idx is not Ellipsis:
             index_shape(self, idx)
         elif is_concrete_ref(v) and not under_trace():
-            # A copy of the ref's array: what JAX's eager read gives, without
-            # committing the ref's array to its device (see `_eager_whole_write`)
-            return ref_buffer(v).copy()
+            # the value JAX's eager read gives, without committing the ref's
+            # array to its device (see `_eager_whole_write`)
+            copy = ref_value_copy(v)
+            if copy is not None:
+                return copy
         try:
             return v[idx]
         except jax.errors.UnexpectedTracerError as e:
@@ -534,14 +539,15 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
 
 def _eager_whole_write(ref: Any, new: Any) -> bool:
     """Write `new` into a concrete ref outside any trace by giving the ref a copy of
-    it, when that is exactly what JAX's eager write would store (the same type and
-    placement); whether it did. JAX's eager reads and writes of a ref run a program
-    that takes the ref, and such a program commits the ref's array to its device
-    (JAX counts a ref as committed). `jax.jit` compiles separately for committed
-    and uncommitted inputs, and a committed input costs each call more (~0.1 us an
-    array): a ref-mode model read or written between steps would leave the
-    uncommitted arrays of a value-mode one. The copy is a new buffer, so a step
-    that donates the ref's array never consumes the caller's `new`."""
+    it (in the ref's declared type, where the ref's array lives); whether it did.
+    JAX's eager reads and writes of a ref run a program that takes the ref, and
+    such a program commits the ref's array to its device (JAX counts a ref as
+    committed). `jax.jit` compiles separately for committed and uncommitted inputs,
+    and a committed input costs each call more (~0.1 us an array): a ref-mode model
+    read or written between steps would lose the uncommitted arrays of a
+    value-mode one. Only for a value of the array's shape and dtype, placed as the
+    array is (JAX's write would move it there). The copy is a new buffer, so a
+    step that donates the ref's array never consumes the caller's `new`."""
     if not (
         is_concrete_ref(ref)
         and isinstance(new, jax.Array)
@@ -551,12 +557,16 @@ def _eager_whole_write(ref: Any, new: Any) -> bool:
         return False
     old = ref_buffer(ref)
     if (
-        jax.typeof(new) != jax.typeof(old)
+        new.shape != old.shape
+        or new.dtype != old.dtype
         or new.committed != old.committed
         or new.sharding != old.sharding
     ):
         return False
-    set_ref_buffer(ref, new.copy())
+    copy = array_copy(new, declared_weak(ref))
+    if copy is None:
+        return False
+    set_ref_buffer(ref, copy)
     return True
 
 

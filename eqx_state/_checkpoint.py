@@ -33,7 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import check_live, is_state
-from ._compat import Tracer, ref_is_consumed, under_trace
+from ._compat import (
+    Tracer,
+    is_concrete_ref,
+    ref_is_consumed,
+    ref_value_copy,
+    under_trace,
+)
 from ._errors import StaleModelError, StateError, StateValueError, stale_message
 from ._modes import check_no_shared_refs
 
@@ -208,7 +214,10 @@ def _read_ref(ref: Any, where: str) -> jax.Array:
         raise StaleModelError(stale_message(where.removeprefix("The ")))
     if under_trace():
         return ref[...]
-    return jax.freeze(ref)  # outside a trace: a copy, the ref stays valid
+    # outside a trace: a copy, the ref stays valid (and its array uncommitted,
+    # `_compat.ref_value_copy`)
+    copy = ref_value_copy(ref) if is_concrete_ref(ref) else None
+    return jax.freeze(ref) if copy is None else copy
 
 
 def refuse_tracer(caller: str, leaf: str, verb: str = "save") -> NoReturn:

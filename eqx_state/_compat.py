@@ -17,6 +17,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -212,6 +213,40 @@ def set_ref_buffer(ref: Any, new: jax.Array) -> None:
     to (`ref_buffer` in `_dispatch`), so after the call nothing holds it. `new` is
     taken as it is (not copied): it must be an array no one else holds."""
     ref._refs._buf = new
+
+
+def ref_value_copy(ref: Any) -> jax.Array | None:
+    """A copy of a concrete ref's value, as JAX's eager read `ref[...]` gives it
+    (the ref's declared type; where its array lives), made without that read: a
+    program that takes a ref commits its outputs, the ref's array among them, and
+    `jax.jit` compiles a step on committed arrays again. None where public JAX
+    cannot give the declared type (weak, over a strong array): read the ref then."""
+    return array_copy(ref._refs._buf, bool(jax.typeof(ref).inner_aval.weak_type))
+
+
+def declared_weak(ref: Any) -> bool:
+    """Whether a concrete ref's declared type is weak (what its reads give)."""
+    return bool(jax.typeof(ref).inner_aval.weak_type)
+
+
+def array_copy(x: jax.Array, weak: bool) -> jax.Array | None:
+    """A copy of the concrete array `x` in a new buffer, weakly typed iff `weak`, on
+    `x`'s devices: an uncommitted `x` is copied on its own device, which need not be
+    the default one (a model made under `jax.default_device`). None for a strong
+    `x` asked to be weak (public JAX cannot make it so)."""
+    if weak and not x.weak_type:
+        return None
+    if x.weak_type and not weak:  # a dtype given: a strongly typed result
+
+        def make() -> jax.Array:
+            return jnp.array(x, dtype=x.dtype, copy=True)
+    else:
+        make = x.copy
+    if x.committed:
+        return make()  # runs where `x` is
+    (device,) = x.devices()
+    with jax.default_device(device):
+        return make()
 
 
 def any_committed(arrays: Sequence[jax.Array]) -> bool:

@@ -1114,6 +1114,7 @@ class Owned:
                 )
             self._leaves[i] = now
             self._settings[n] = (node, key, now, i, size)
+            self._known = False  # no longer only what the last call returned
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         if self._released:

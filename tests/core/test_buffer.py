@@ -557,3 +557,26 @@ def test_a_bare_ref_at_two_places_is_not_state_of_the_model():
     r = jax.new_ref(jnp.zeros(3))
     frozen = es.freeze({"a": r, "b": r})
     assert frozen["a"] is r and frozen["b"] is r
+
+
+def test_eager_write_of_a_number_reads_back_as_jax_reads_its_ref():
+    """A Python number written into a ref-mode cell outside a step reads back in
+    the cell's own strong type, as JAX reads a ref it wrote the number into (the
+    reference), so arithmetic with a narrow array promotes as it would with the
+    array (a weakly typed read would give int8 and wrap 200 to -56). The cell's
+    array stays uncommitted, as the step that takes it next expects."""
+    from eqx_state import _compat
+
+    c = es.to_refs(es.nn.Counter())
+    c.count[...] = 100
+    twin = jax.new_ref(jnp.zeros((), jnp.int32))
+    twin[...] = 100
+    got, want = c.count[...], twin[...]
+    assert jax.typeof(got) == jax.typeof(want) == jax.typeof(jnp.int32(0))
+    assert (got + jnp.int8(100)).dtype == (want + jnp.int8(100)).dtype == jnp.int32
+    assert int(got + jnp.int8(100)) == int(want + jnp.int8(100)) == 200
+    buf = _compat.ref_buffer(c.count.value)
+    assert not buf.committed and not buf.weak_type
+    # a snapshot through the checkpoint path reads it the same way
+    np.testing.assert_array_equal(es.freeze(c).count[...], 100)
+    assert not _compat.ref_buffer(c.count.value).committed

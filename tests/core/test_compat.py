@@ -287,6 +287,30 @@ def test_ref_buffer_is_the_array_jax_passes_and_replaces():
     assert _compat.ref_buffers([r, twin]) == [new, new]
 
 
+def test_ref_value_copy_reads_as_jax_reads():
+    """`ref_value_copy` reads a ref's declared type (`jax.typeof(ref).inner_aval`)
+    and copies its array: the value, type and placement of JAX's eager read
+    (strong for a strongly declared ref, whatever its array holds), without
+    committing the ref's array (JAX's read does)."""
+    r = jax.new_ref(jnp.zeros((), jnp.int32))
+    assert _compat.declared_weak(r) is False
+    twin = jax.new_ref(jnp.zeros((), jnp.int32))
+    _compat.set_ref_buffer(r, jnp.asarray(7))  # a weakly typed array
+    twin[...] = 7
+    assert _compat.ref_buffer(r).weak_type
+    got = _compat.ref_value_copy(r)
+    assert got is not None and jax.typeof(got) == jax.typeof(twin[...])
+    assert got.tolist() == 7 and not got.weak_type
+    fresh = jax.new_ref(jnp.arange(3.0))
+    copy = _compat.ref_value_copy(fresh)
+    assert copy is not None and copy.tolist() == [0.0, 1.0, 2.0]
+    assert not _compat.ref_buffer(fresh).committed and not copy.committed
+    assert copy is not _compat.ref_buffer(fresh)
+    # a strong array cannot be made weak with public JAX: None, read the ref then
+    assert _compat.array_copy(jnp.zeros(2), weak=True) is None
+    assert _compat.declared_weak(jax.new_ref(jnp.asarray(1.0)))
+
+
 def test_committed_flag_is_the_public_one():
     """`any_committed` reads JAX's private `_committed` (the property's field)."""
     fresh = jnp.zeros(3)

@@ -352,6 +352,24 @@ def test_owned_loop_equals_step_calls(mode):
     assert owned_step.trace_count == 1
 
 
+def test_owned_loop_refuses_a_ref_set_into_a_hyperparameter():
+    """A number slot of the owned carry set between calls is read into the loop's
+    leaves; a ref put there (one of the model's cells') would sit at two carry
+    positions, each writing it, one write lost. The loop checks its leaves again
+    after such a change, as a call of the step does."""
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.0)
+    step = es.make_step(loss_fn, opt)
+    model = es.to_refs(Net(jax.random.key(0)))
+    opt_state = step.init(model)
+    loop = step.own(model, opt_state)
+    xs, ys = data(n=2)
+    loop(xs[0], ys[0])
+    loop(xs[1], ys[1])  # the leaves the last call returned: not checked again
+    opt_state.hyperparams["learning_rate"] = model.bn.num_batches_tracked.value
+    with pytest.raises(es.StateError, match=r"same ref is .*num_batches_tracked"):
+        loop(xs[0], ys[0])
+
+
 def _mse_loss(model, x):
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
