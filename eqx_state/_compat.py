@@ -234,9 +234,10 @@ def array_copy(x: jax.Array, weak: bool) -> jax.Array | None:
     `x`'s devices: an uncommitted `x` is copied on its own device, which need not be
     the default one (a model made under `jax.default_device`). None for a strong
     `x` asked to be weak (public JAX cannot make it so)."""
-    if weak and not x.weak_type:
+    x_weak = jax.typeof(x).weak_type  # (a PRNG key array has no `weak_type`)
+    if weak and not x_weak:
         return None
-    if x.weak_type and not weak:  # a dtype given: a strongly typed result
+    if x_weak and not weak:  # a dtype given: a strongly typed result
 
         def make() -> jax.Array:
             return jnp.array(x, dtype=x.dtype, copy=True)

@@ -309,6 +309,11 @@ def test_ref_value_copy_reads_as_jax_reads():
     # a strong array cannot be made weak with public JAX: None, read the ref then
     assert _compat.array_copy(jnp.zeros(2), weak=True) is None
     assert _compat.declared_weak(jax.new_ref(jnp.asarray(1.0)))
+    # a PRNG key array (an RngState cell's) is copied as it is
+    key = jax.new_ref(jax.random.key(3))
+    got = _compat.ref_value_copy(key)
+    assert got is not None and jax.typeof(got) == jax.typeof(key[...])
+    assert (jax.random.key_data(got) == jax.random.key_data(key[...])).all()
 
 
 def test_committed_flag_is_the_public_one():
