@@ -221,7 +221,7 @@ def ref_value_copy(ref: Any) -> jax.Array | None:
     program that takes a ref commits its outputs, the ref's array among them, and
     `jax.jit` compiles a step on committed arrays again. None where public JAX
     cannot give the declared type (weak, over a strong array): read the ref then."""
-    return array_copy(ref._refs._buf, bool(jax.typeof(ref).inner_aval.weak_type))
+    return array_copy(ref._refs._buf, declared_weak(ref))
 
 
 def declared_weak(ref: Any) -> bool:

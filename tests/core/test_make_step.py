@@ -148,6 +148,16 @@ def test_ref_mode_compiles_the_value_mode_program():
     assert ref == value
 
 
+def _ref_run_and_reference(opt):
+    """A fresh ref-mode model with its step and optimizer state, and the
+    hand-threaded loop's parameters, statistics, optimizer state and step."""
+    model = fresh("ref")
+    p = jax.tree.map(jnp.copy, pure_params(model))
+    stats = (jnp.zeros(W), jnp.ones(W), jnp.int32(0), jnp.int32(0))
+    step = es.make_step(loss_fn, opt)
+    return model, step, step.init(model), p, stats, opt.init(p), pure_step(opt)
+
+
 def test_ref_mode_carry_stays_uncommitted(tmp_path):
     """A ref-mode step takes its refs' arrays as a value-mode step takes its cells:
     uncommitted, as a fresh model's arrays are (`jax.jit` compiles separately for
@@ -161,12 +171,7 @@ def test_ref_mode_carry_stays_uncommitted(tmp_path):
     n = 6
     xs, ys = data(n)
     opt = optax.adam(1e-2)
-    model = fresh("ref")
-    p = jax.tree.map(jnp.copy, pure_params(model))
-    stats = (jnp.zeros(W), jnp.ones(W), jnp.int32(0), jnp.int32(0))
-    popt, ref_step = opt.init(p), pure_step(opt)
-    step = es.make_step(loss_fn, opt)
-    opt_state = step.init(model)
+    model, step, opt_state, p, stats, popt, ref_step = _ref_run_and_reference(opt)
     snapshots, zero = [], jnp.zeros((), jnp.int32)
     with count_compiles() as compiles:
         for i in range(n):
@@ -204,12 +209,7 @@ def test_ref_mode_step_after_an_eager_write_jax_commits():
     whole-cell write of an uncommitted value (not the copy's placement)."""
     xs, ys = data(5)
     opt = optax.sgd(1e-2)
-    model = fresh("ref")
-    p = jax.tree.map(jnp.copy, pure_params(model))
-    stats = (jnp.zeros(W), jnp.ones(W), jnp.int32(0), jnp.int32(0))
-    popt, ref_step = opt.init(p), pure_step(opt)
-    step = es.make_step(loss_fn, opt)
-    opt_state = step.init(model)
+    model, step, opt_state, p, stats, popt, ref_step = _ref_run_and_reference(opt)
     with count_compiles() as compiles:
         for i in range(5):
             model, opt_state = step(model, opt_state, xs[i], ys[i])
