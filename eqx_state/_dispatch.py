@@ -87,6 +87,7 @@ from ._modes import (
     named_call_leaves,
     refuse_shared_refs,
 )
+from ._rebuild import _reads_dict_as_stored, rebuilder
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -522,9 +523,10 @@ class Compiled:
         self._last_signature: tuple | None = None  # (key, signature) of the last call
         # the carry the last call returned, for the next (see `call`): (its
         # skeleton, its leaves, its structure, the weak references of the
-        # skeleton), or None; and which structures are immutable
+        # skeleton, its structure's rebuild), or None; and for each structure,
+        # whether it is immutable and how to rebuild it (`_structure`)
         self._last: tuple | None = None
-        self._frozen: dict[Any, bool] = {}
+        self._structures: dict[Any, tuple[bool, Callable[[Sequence], Any]]] = {}
         self._forget = _forgetter(weakref.ref(self))
         # whether this process has several devices (read at the first call: JAX's
         # backend may not be up when the step is built): a call without a
@@ -673,41 +675,57 @@ class Compiled:
         still hold exactly those leaves (the same objects, which flattening would
         give). A list, a dict (`inject_hyperparams`' `hyperparams`) or any other
         node type anywhere in the carry is flattened on every call, so a change
-        made in place between calls is read."""
+        made in place between calls is read.
+
+        The new carry is built from its leaves by the structure's rebuild
+        (`_rebuild.rebuilder`: objects equal to `treedef.unflatten`'s, built by
+        one generated function), found once per structure."""
         with GcPaused():
             last = self._last
-            if last is not None and _same(carry, last[0]):
-                leaves, treedef, frozen = last[1], last[2], True
+            known = last is not None and _same(carry, last[0])
+            if known:
+                leaves, treedef, build = last[1], last[2], last[4]  # type: ignore[index]
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
-                frozen = None
             new_leaves, result = self.call_flat(
-                leaves, treedef, args, kwargs, known=frozen is not None
+                leaves, treedef, args, kwargs, known=known
             )
-            new = treedef.unflatten(new_leaves)
-            self._remember(new, new_leaves, treedef, frozen)
+            # (looked up after `call_flat`, which refuses a structure that cannot
+            # be compared, as a lookup compares it)
+            frozen, build = (True, build) if known else self._structure(treedef)
+            new = build(new_leaves)
+            self._remember(new, new_leaves, treedef, frozen, build)
             return new, result
 
+    def _structure(self, treedef: Any) -> tuple[bool, Callable[[Sequence], Any]]:
+        """Whether `treedef` is immutable (`_frozen_structure`) and the function that
+        builds it from leaves (`_rebuild.rebuilder`, else `treedef.unflatten`);
+        found once per structure (hashing a structure walks all its nodes)."""
+        found = self._structures.get(treedef)
+        if found is None:
+            build = rebuilder(treedef) or treedef.unflatten
+            found = self._structures[treedef] = (_frozen_structure(treedef), build)
+        return found
+
     def _remember(
-        self, new: tuple, leaves: list, treedef: Any, frozen: bool | None = None
+        self,
+        new: tuple,
+        leaves: list,
+        treedef: Any,
+        frozen: bool,
+        build: Callable[[Sequence], Any],
     ) -> None:
         """Keep `new` (the carry a call returned) with its leaves for the next
-        call (see `call`), when its structure is immutable and no outer
+        call (see `call`), when its structure is immutable (`frozen`) and no outer
         transformation traced the call (its tracers must not outlive the trace).
         The carry's objects are held weakly (`_skeleton`) and the leaves only
         while all of them live: once the caller drops the model or the optimizer
-        state (a module or an array of it), the remembered leaves are let go.
-        `frozen`: already known for `treedef` (the remembered one: it was frozen),
-        or `None` (looked up here; hashing a structure walks all its nodes)."""
+        state (a module or an array of it), the remembered leaves are let go."""
         self._last = None
-        if frozen is None:
-            frozen = self._frozen.get(treedef)
-        if frozen is None:
-            frozen = self._frozen[treedef] = _frozen_structure(treedef)
         if frozen and not under_trace():
             refs: list = []
             skeleton = _skeleton(new, self._forget, refs)
-            self._last = (skeleton, tuple(leaves), treedef, refs)
+            self._last = (skeleton, tuple(leaves), treedef, refs, build)
 
     def call_flat(
         self,
@@ -982,23 +1000,6 @@ def _frozen_structure(treedef: Any) -> bool:
     elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
         return False
     return all(map(_frozen_structure, treedef.children()))
-
-
-def _reads_dict_as_stored(cls: type) -> bool:
-    """Whether `obj.__dict__` of a `cls` instance is its stored dict: no class of
-    its method resolution order defines a `__getattribute__` other than Equinox's,
-    `object`'s or the library's own (`_buffer._LayerBase`, which returns the
-    stored dict)."""
-    from ._buffer import _LayerBase
-
-    known = (
-        eqx.Module.__getattribute__,
-        object.__getattribute__,
-        _LayerBase.__getattribute__,
-    )
-    return all(
-        c.__dict__.get("__getattribute__", known[0]) in known for c in cls.__mro__
-    )
 
 
 def _inside_a_call() -> bool:
