@@ -197,6 +197,14 @@ def ref_buffer(ref: Any) -> jax.Array:
     return ref._refs._buf
 
 
+def ref_identity(x: Any) -> int:
+    """What makes two refs one state: for a concrete ref, the `ArrayRefImpl` that
+    holds its array (`x._refs`), which `copy.copy` of a `jax.Ref` shares (the copy
+    reads and writes the same array); otherwise the object itself (a ref under a
+    trace)."""
+    return id(x._refs) if type(x) is jax.Ref else id(x)
+
+
 def ref_buffers(refs: Sequence[Any]) -> list[jax.Array]:
     """`ref_buffer` of each of `refs` (one call for all the cells of a step)."""
     return [r._refs._buf for r in refs]

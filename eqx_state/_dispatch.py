@@ -66,6 +66,7 @@ from ._compat import (
     quiet_equinox_callback_log,
     ref_buffer,
     ref_buffers,
+    ref_identity,
     set_ref_buffers,
     under_trace,
 )
@@ -752,14 +753,14 @@ class Compiled:
             if (
                 n_refs > 1
                 and (refs or not known)
-                and len(set(map(id, (*cells, *refs)))) != n_refs
+                and len(set(map(ref_identity, (*cells, *refs)))) != n_refs
             ):
                 _refuse_shared_refs(sig, leaves)
             bufs = ref_buffers(cells)
             dyn = sig.get_dyn_bufs([*leaves, *bufs])
         else:
             cells = bufs = ()
-            if len(refs) > 1 and len(set(map(id, refs))) != len(refs):
+            if len(refs) > 1 and len(set(map(ref_identity, refs))) != len(refs):
                 _refuse_shared_refs(sig, leaves)
             dyn = sig.get_dyn(leaves)
         numpy_ks = sig.numpy_ks

@@ -29,7 +29,7 @@ from ._buffer import (
     describe,
     is_state,
 )
-from ._compat import REF_TYPES, Tracer
+from ._compat import REF_TYPES, Tracer, ref_identity
 from ._errors import StateError, StateTypeError
 
 
@@ -366,10 +366,11 @@ def refuse_shared_refs(
     two places of the model (two cells), in the model and an argument (a cell's ref
     passed again), or in two arguments, named by their paths. Refs are mutable
     objects: their identity is what makes two places one state, so that is what is
-    compared here."""
+    compared here (`_compat.ref_identity`: a `copy.copy` of a ref is the same
+    state)."""
     seen: dict[int, int] = {}
     for i in sorted(refs):
-        j = seen.setdefault(id(leaves[i]), i)  # identity of a ref
+        j = seen.setdefault(ref_identity(leaves[i]), i)
         if j != i:
             first, here = named_call_leaves(tree, [j]), named_call_leaves(tree, [i])
             where = "model" if i < n_model else "carry" if j < n_carry else "args"

@@ -285,6 +285,10 @@ def test_ref_buffer_is_the_array_jax_passes_and_replaces():
     _compat.set_ref_buffers([r], [new])
     assert twin[...].tolist() == [6.0] * 3
     assert _compat.ref_buffers([r, twin]) == [new, new]
+    # so a copy is the same state (`ref_identity`, what the shared-ref check
+    # compares), and another ref of the same value is not
+    assert twin is not r and _compat.ref_identity(twin) == _compat.ref_identity(r)
+    assert _compat.ref_identity(jax.new_ref(new)) != _compat.ref_identity(r)
 
 
 def test_ref_value_copy_reads_as_jax_reads():

@@ -10,6 +10,7 @@ statistics, the key stream, the metric and the average threaded by hand)."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import re
 import warnings
@@ -609,21 +610,39 @@ def test_the_function_of_a_make_apply_is_read_only():
     assert apply_fn.fn is fn
 
 
-@pytest.mark.parametrize("runner", RUNNERS)
-def test_shared_refs_are_refused_by_every_runner(runner):
+@pytest.mark.parametrize("twin", ["same layer", "copied refs"])
+@pytest.mark.parametrize("runner", [*RUNNERS, "apply", "make_apply", "freeze"])
+def test_shared_refs_are_refused_by_every_runner(runner, twin):
+    """One ref at two places: the same layer twice, or two layers holding
+    `copy.copy`s of its refs (a copied `jax.Ref` reads and writes the same array:
+    one state; each place's write would be put back and one of them lost)."""
     bn = es.to_refs(es.nn.BatchNorm(3))
-    model = [bn, bn]  # one ref at two places: only constructible by hand
+    if twin == "same layer":
+        other = bn
+    else:
+        other = jax.tree.map(
+            lambda x: copy.copy(x) if isinstance(x, jax.Ref) else x, bn
+        )
+        assert other.running_mean.value is not bn.running_mean.value
+    model = [bn, other]  # one state at two places: only constructible by hand
 
-    def loss(m, x):
-        return jnp.mean(m[1](m[0](x)) ** 2)
+    def forward2(m, x):
+        return m[1](m[0](x))
 
-    step = es.make_step(loss, optax.sgd(0.1))
-    opt_state = step.init(model)
+    step = es.make_step(lambda m, x: jnp.mean(forward2(m, x) ** 2), optax.sgd(0.1))
     x = jnp.ones((K, 4, 3))
+    calls = {
+        "apply": lambda: es.apply(forward2, model, x[0]),
+        "make_apply": lambda: es.make_apply(forward2)(model, x[0]),
+        "freeze": lambda: es.freeze(model),
+    }
     with pytest.raises(
         es.StateError, match=r"same ref is at two places of the model: `model\[0\]"
     ):
-        first_call(runner, step, model, opt_state, x)
+        if runner in calls:
+            calls[runner]()
+        else:
+            first_call(runner, step, model, step.init(model), x)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
