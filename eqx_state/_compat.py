@@ -53,6 +53,24 @@ def is_unmapped_ref_write(e: BaseException) -> bool:
     return type(e) is Exception and "unbatched array reference" in str(e)
 
 
+# -- pytree registrations ---------------------------------------------------------
+
+try:  # the Python side of JAX's registry of node types (`register_pytree_node`...)
+    from jax._src.tree_util import _registry as _pytree_registry
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _pytree_registry = None
+
+
+def is_registered_node_type(cls: type) -> bool | None:
+    """Whether `cls` was registered as a pytree node type (by a user, Equinox, or
+    JAX for its built-in containers): a named tuple that is not unflattens as JAX's
+    built-in rule does, `cls(*children)`; one that is, as its registration says.
+    None where JAX's registry cannot be read."""
+    if _pytree_registry is None:  # pragma: no cover - depends on the JAX version
+        return None
+    return cls in _pytree_registry
+
+
 # -- the trace state --------------------------------------------------------------
 
 try:

@@ -524,10 +524,10 @@ class Compiled:
         self._last_signature: tuple | None = None  # (key, signature) of the last call
         # the carry the last call returned, for the next (see `call`): (its
         # skeleton, its leaves, its structure, the weak references of the
-        # skeleton, its structure's rebuild), or None; and for each structure,
-        # whether it is immutable and how to rebuild it (`_structure`)
+        # skeleton, that structure's rebuild or None), or None; and which
+        # structures are immutable
         self._last: tuple | None = None
-        self._structures: dict[Any, tuple[bool, Callable[[Sequence], Any]]] = {}
+        self._frozen: dict[Any, bool] = {}
         self._forget = _forgetter(weakref.ref(self))
         # whether this process has several devices (read at the first call: JAX's
         # backend may not be up when the step is built): a call without a
@@ -678,51 +678,49 @@ class Compiled:
         node type anywhere in the carry is flattened on every call, so a change
         made in place between calls is read.
 
-        The new carry is built from its leaves by the structure's rebuild
-        (`_rebuild.rebuilder`: objects equal to `treedef.unflatten`'s, built by
-        one generated function), found once per structure."""
+        From the second call of such a loop on, the new carry is built by one
+        function generated for the remembered structure (`_rebuild.rebuilder`:
+        the objects `treedef.unflatten` builds, the same static values), made
+        before the call runs (it never raises)."""
         with GcPaused():
             last = self._last
             known = last is not None and _same(carry, last[0])
+            build: Callable[[Sequence], Any] | None = None
             if known:
                 leaves, treedef, build = last[1], last[2], last[4]  # type: ignore[index]
+                if build is None:
+                    build = rebuilder(treedef) or treedef.unflatten
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
             new_leaves, result = self.call_flat(
                 leaves, treedef, args, kwargs, known=known
             )
-            # (looked up after `call_flat`, which refuses a structure that cannot
-            # be compared, as a lookup compares it)
-            frozen, build = (True, build) if known else self._structure(treedef)
-            new = build(new_leaves)
-            self._remember(new, new_leaves, treedef, frozen, build)
+            new = (build or treedef.unflatten)(new_leaves)
+            self._remember(new, new_leaves, treedef, True if known else None, build)
             return new, result
-
-    def _structure(self, treedef: Any) -> tuple[bool, Callable[[Sequence], Any]]:
-        """Whether `treedef` is immutable (`_frozen_structure`) and the function that
-        builds it from leaves (`_rebuild.rebuilder`, else `treedef.unflatten`);
-        found once per structure (hashing a structure walks all its nodes)."""
-        found = self._structures.get(treedef)
-        if found is None:
-            build = rebuilder(treedef) or treedef.unflatten
-            found = self._structures[treedef] = (_frozen_structure(treedef), build)
-        return found
 
     def _remember(
         self,
         new: tuple,
         leaves: list,
         treedef: Any,
-        frozen: bool,
-        build: Callable[[Sequence], Any],
+        frozen: bool | None,
+        build: Callable[[Sequence], Any] | None,
     ) -> None:
         """Keep `new` (the carry a call returned) with its leaves for the next
-        call (see `call`), when its structure is immutable (`frozen`) and no outer
+        call (see `call`), when its structure is immutable and no outer
         transformation traced the call (its tracers must not outlive the trace).
         The carry's objects are held weakly (`_skeleton`) and the leaves only
         while all of them live: once the caller drops the model or the optimizer
-        state (a module or an array of it), the remembered leaves are let go."""
+        state (a module or an array of it), the remembered leaves are let go.
+        `frozen`: already known for `treedef` (the remembered one: it was frozen),
+        or `None` (looked up here; hashing a structure walks all its nodes).
+        `build`: the rebuild of this very `treedef` (its static values), if made."""
         self._last = None
+        if frozen is None:
+            frozen = self._frozen.get(treedef)
+        if frozen is None:
+            frozen = self._frozen[treedef] = _frozen_structure(treedef)
         if frozen and not under_trace():
             refs: list = []
             skeleton = _skeleton(new, self._forget, refs)
@@ -984,23 +982,28 @@ def _frozen_structure(treedef: Any) -> bool:
     what they hold: tuples (named tuples too: optax's states), `None`, and Equinox
     modules whose `__dict__` is read as stored (Equinox's flatten reads it; a
     module refuses attribute assignment). Lists, dicts and other node types are
-    mutable or unknown."""
-    data = treedef.node_data()
-    if data is None:  # a leaf
-        return True
-    kind = data[0]
-    if kind is tuple or kind is type(None):
-        pass
-    elif (
-        issubclass(kind, tuple)
-        and hasattr(kind, "_fields")
-        and kind.__dictoffset__ == 0  # type: ignore[attr-defined]
-    ):
-        pass  # a named tuple without an instance `__dict__`: only its items,
-        # which cannot change, are there to flatten
-    elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
-        return False
-    return all(map(_frozen_structure, treedef.children()))
+    mutable or unknown. (A walk with a stack: a deeply nested model is not a
+    Python recursion.)"""
+    todo = [treedef]
+    while todo:
+        node = todo.pop()
+        data = node.node_data()
+        if data is None:  # a leaf
+            continue
+        kind = data[0]
+        if kind is tuple or kind is type(None):
+            pass
+        elif (
+            issubclass(kind, tuple)
+            and hasattr(kind, "_fields")
+            and kind.__dictoffset__ == 0  # type: ignore[attr-defined]
+        ):
+            pass  # a named tuple without an instance `__dict__`: only its items,
+            # which cannot change, are there to flatten
+        elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
+            return False
+        todo.extend(node.children())
+    return True
 
 
 def _inside_a_call() -> bool:

@@ -1,48 +1,57 @@
-"""Rebuilding a carry from its leaves with one generated function per structure.
+"""Rebuilding a loop's carry from its leaves with one generated function.
 
 A step returns its new carry as leaves, and `treedef.unflatten(leaves)` rebuilds the
 model and optimizer state from them: JAX calls the registered unflatten of every
 node, for an Equinox module a Python function (`object.__new__`, then one
 `object.__setattr__` per field) reached through a `functools.partial`. On a small
-model that is a third of what the library adds to a step (stop 50: 58 us of a
-~300 us step at the small MLP, 24 nodes).
+model that is a third of what the library adds to a step (57 us of a ~300 us step
+at the small MLP, 24 nodes).
 
 `rebuilder(treedef)` returns a function that builds, from the leaves, objects equal
 to `treedef.unflatten`'s in every observable way: each node of the same type, made
 fresh, with the same `__dict__` (same keys, same order, the same leaf objects and
-the very static values the structure holds), in straight-line code generated once
-per structure. It is derived from `treedef.unflatten` itself, not from knowledge of
-how Equinox lays out its modules: the structure is unflattened twice with marker
+the very static values this `treedef` holds), in straight-line code. It is derived
+from `treedef.unflatten` itself: the structure is unflattened twice with marker
 leaves, and the two results are walked side by side. A value that is the same
-object in both is part of the structure (a static field, `None`); one that differs
-was built by the unflatten and is rebuilt the same way. Only nodes whose rebuilding
-is exactly known are handled:
+object in both is the structure's own (a static field, `None`); one that differs
+was built by the unflatten and is rebuilt the same way. Only nodes whose unflatten
+is known exactly are handled:
 
-* a tuple, a list or a dict (a new one of the items, in the same order: JAX's
-  dict keeps its keys sorted), and a named tuple without an instance `__dict__`
-  (`cls(*items)`, as JAX unflattens one);
-* an `eqx.Module` with no `__slots__` of its own, whose `__dict__` is read as stored
-  (`_reads_dict_as_stored`): `object.__new__(cls)` and its `__dict__`
-  filled in the same order (what Equinox's unflatten does);
+* a tuple, and a named tuple JAX unflattens with its built-in rule
+  (`cls(*children)`: one not registered as a node type of its own) and without an
+  instance `__dict__`;
+* an Equinox module (Equinox registers its own generated unflatten, which cannot be
+  replaced: `object.__new__(cls)`, then each field with `object.__setattr__`) with
+  no `__slots__` of its own, whose `__dict__` is read as stored
+  (`_reads_dict_as_stored`), and with no data descriptor in its class under a
+  field's name (which `object.__setattr__` would call, and a `__dict__` write
+  would not): the new object's `__dict__` is filled in the same order;
 * a marker, standing for the leaf at its position, each exactly once.
 
-Anything else (a list, a dict, another custom node, a leaf the unflatten changed)
-gives `None`, and the caller uses `treedef.unflatten`. Before it is used, the
-generated function is checked against `treedef.unflatten` on a third set of markers
-(`_alike`).
+For anything else (a list, a dict, another custom node, a leaf the unflatten
+changed) `rebuilder` gives `None` and the caller uses `treedef.unflatten`; it never
+raises. The generated function is checked against `treedef.unflatten` on a third
+set of markers before it is returned (`_alike`), and its code is shared by every
+structure that generates the same source (each bound to its own static values).
 """
 
 from __future__ import annotations
 
-import operator
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 
+from ._compat import is_registered_node_type
+
 
 _new = object.__new__
 _get = object.__getattribute__
+# compiled code by source: the structures of one model (each new `treedef` of a
+# loop) share it; bounded, cleared when full
+_CODE: dict[str, types.CodeType] = {}
+_CODE_LIMIT = 64
 
 
 class _Marker:
@@ -75,37 +84,45 @@ def _reads_dict_as_stored(cls: type) -> bool:
     )
 
 
-def _plain_module(cls: type) -> bool:
-    return (
+def _plain_module(cls: type, names: Sequence[str]) -> bool:
+    """Whether an instance of `cls` with the fields `names` in its `__dict__` is
+    rebuilt exactly by filling a new instance's `__dict__` (see the module
+    docstring)."""
+    if not (
         issubclass(cls, eqx.Module)
         and cls.__dictoffset__ != 0  # type: ignore[attr-defined]
-        and all(
-            set(c.__dict__.get("__slots__", ())) <= {"__weakref__", "__dict__"}
-            for c in cls.__mro__
-        )
         and _reads_dict_as_stored(cls)
-    )
+    ):
+        return False
+    for c in cls.__mro__:
+        if not set(c.__dict__.get("__slots__", ())) <= {"__weakref__", "__dict__"}:
+            return False
+        for name in names:  # a data descriptor: `object.__setattr__` calls it
+            if hasattr(type(c.__dict__.get(name)), "__set__"):
+                return False
+    return True
 
 
 def _named_tuple(cls: type) -> bool:
     return (
-        issubclass(cls, tuple) and hasattr(cls, "_fields") and cls.__dictoffset__ == 0  # type: ignore[attr-defined]
+        issubclass(cls, tuple)
+        and hasattr(cls, "_fields")
+        and cls.__dictoffset__ == 0  # type: ignore[attr-defined]
+        and is_registered_node_type(cls) is False
     )
 
 
 class _Writer:
     """Generates the body of `build(L)` for a pair of probes."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self):
         self.lines: list[str] = []
-        self.consts: dict[str, Any] = {}
+        self.consts: list[Any] = []
         self.seen: set[int] = set()
 
     def const(self, x: Any) -> str:
-        name = f"K{len(self.consts)}"
-        self.consts[name] = x
-        return name
+        self.consts.append(x)
+        return f"K{len(self.consts) - 1}"
 
     def expr(self, u: Any, v: Any) -> str:
         """Code for the object `u` (first probe; `v` the same in the second)."""
@@ -119,23 +136,14 @@ class _Writer:
             return self.const(u)
         if type(v) is not tu:
             raise _NotPlain
-        if tu is tuple or tu is list or _named_tuple(tu):
+        if tu is tuple or _named_tuple(tu):
             if len(u) != len(v):
                 raise _NotPlain
             items = "".join(f"{self.expr(a, b)}, " for a, b in zip(u, v))
-            if tu is tuple:
-                return f"({items})"
-            if tu is list:
-                return f"[{items}]"
-            return f"{self.const(tu)}({items})"
-        if tu is dict:
-            if list(u) != list(v) or not all(map(operator.is_, u, v)):
-                raise _NotPlain
-            items = "".join(f"{self.const(k)}: {self.expr(u[k], v[k])}, " for k in u)
-            return f"{{{items}}}"
-        if _plain_module(tu):
+            return f"({items})" if tu is tuple else f"{self.const(tu)}({items})"
+        if isinstance(u, eqx.Module):
             du, dv = _get(u, "__dict__"), _get(v, "__dict__")
-            if list(du) != list(dv):
+            if list(du) != list(dv) or not _plain_module(tu, list(du)):
                 raise _NotPlain
             values = [self.expr(du[k], dv[k]) for k in du]
             var = f"o{len(self.lines)}"
@@ -149,27 +157,35 @@ class _Writer:
 
 def rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
     """A function equivalent to `treedef.unflatten` (see the module docstring), or
-    `None` where the structure has a node it does not rebuild."""
-    n = treedef.num_leaves
+    `None` where the structure has a node it does not rebuild. Never raises."""
     try:
-        first = treedef.unflatten([_Marker(i) for i in range(n)])
-        second = treedef.unflatten([_Marker(i) for i in range(n)])
-        writer = _Writer(n)
+        return _rebuilder(treedef)
+    except Exception:  # a node that refuses markers, a structure too deep...
+        return None
+
+
+def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
+    n = treedef.num_leaves
+    first = treedef.unflatten([_Marker(i) for i in range(n)])
+    second = treedef.unflatten([_Marker(i) for i in range(n)])
+    writer = _Writer()
+    try:
         root = writer.expr(first, second)
     except _NotPlain:
-        return None
-    except Exception:  # an unflatten that refuses markers: not a plain node
         return None
     if len(writer.seen) != n:
         return None
     source = "def build(L):\n" + "".join(
         f"    {line}\n" for line in (*writer.lines, f"return {root}")
     )
-    namespace: dict[str, Any] = {"new": _new, "get": _get, **writer.consts}
-    try:  # (a structure nested past what Python compiles: unflatten it)
-        exec(compile(source, f"<eqx_state rebuild of {n} leaves>", "exec"), namespace)
-    except (SyntaxError, RecursionError, MemoryError):  # pragma: no cover
-        return None
+    code = _CODE.get(source)
+    if code is None:
+        if len(_CODE) >= _CODE_LIMIT:
+            _CODE.clear()
+        code = _CODE[source] = compile(source, f"<rebuild of {n} leaves>", "exec")
+    namespace: dict[str, Any] = {"new": _new, "get": _get}
+    namespace.update((f"K{j}", x) for j, x in enumerate(writer.consts))
+    exec(code, namespace)
     build = namespace["build"]
     markers = [_Marker(i) for i in range(n)]
     if not _alike(build(markers), treedef.unflatten(markers)):  # pragma: no cover
@@ -185,15 +201,9 @@ def _alike(x: Any, y: Any) -> bool:
         return x is y
     if type(x) is not type(y):
         return False
-    if isinstance(x, (tuple, list)):
+    if isinstance(x, tuple):
         return len(x) == len(y) and all(map(_alike, x, y))
-    if type(x) is dict:
-        return (
-            list(x) == list(y)
-            and all(map(operator.is_, x, y))
-            and all(_alike(x[k], y[k]) for k in x)
-        )
-    if not _plain_module(type(x)):
+    if not isinstance(x, eqx.Module):
         return False
     dx, dy = _get(x, "__dict__"), _get(y, "__dict__")
     return list(dx) == list(dy) and all(_alike(dx[k], dy[k]) for k in dx)

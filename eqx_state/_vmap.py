@@ -19,7 +19,12 @@ from ._buffer import (
     is_state,
     unbatched_message,
 )
-from ._compat import is_batched, is_unmapped_ref_write, mapped_by_same_vmap
+from ._compat import (
+    is_batched,
+    is_unmapped_ref_write,
+    mapped_by_same_vmap,
+    ref_identity,
+)
 from ._errors import (
     StateError,
     StateTypeError,
@@ -199,8 +204,9 @@ def vmap(
             if isinstance(leaf, Buffer) and _is_ref(leaf.value):
                 # one shadow per ref: a ref at two places (shared with
                 # `eqx.nn.Shared`) is one state; refs are mutable objects, so their
-                # identity is what says so
-                k = seen.setdefault(id(leaf.value), len(cells))
+                # identity (`_compat.ref_identity`: a copy of a ref is the same
+                # state) is what says so
+                k = seen.setdefault(ref_identity(leaf.value), len(cells))
                 if k == len(cells):
                     cells.append(leaf.value)
                 slots.append(k)

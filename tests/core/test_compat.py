@@ -463,3 +463,28 @@ def test_trace_of_names_the_innermost_trace():
         assert a is not None and a is b
     assert seen[0][0] is not seen[1][0]
     assert _compat.trace_of(jnp.ones(2)) is None and _compat.trace_of(1.0) is None
+
+
+def test_is_registered_node_type_reads_jaxs_registry():
+    """A named tuple JAX unflattens with its built-in rule is not a registered
+    node type; one registered with an unflatten of its own, an Equinox module
+    and JAX's own containers are (what `_rebuild` relies on)."""
+    from typing import NamedTuple
+
+    class Plain(NamedTuple):
+        x: object
+
+    class Own(NamedTuple):
+        x: object
+
+    jax.tree_util.register_pytree_node(
+        Own, lambda o: ((o.x,), None), lambda _, ch: Own._make(ch)
+    )
+
+    class M(eqx.Module):
+        w: object
+
+    assert _compat.is_registered_node_type(Plain) is False
+    assert _compat.is_registered_node_type(Own) is True
+    assert _compat.is_registered_node_type(M) is True
+    assert _compat.is_registered_node_type(tuple) is True

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
+import pickle
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -20,6 +22,7 @@ import optax
 import pytest
 
 import eqx_state as es
+from eqx_state import _dispatch
 from eqx_state._dispatch import Compiled
 from eqx_state._rebuild import rebuilder
 
@@ -70,13 +73,10 @@ def _structures():
     return {
         "step carry, adam": (value_net, optax.adam(1e-3).init(es.params(value_net))),
         "ref-mode model": (_net("ref"),),
-        "inject_hyperparams (a dict)": optax.inject_hyperparams(optax.adam)(
-            learning_rate=0.1
-        ).init(es.params(value_net)),
         "eqx layers": (
             eqx.nn.MLP(3, 2, 8, 2, key=key),
             eqx.nn.MultiheadAttention(2, 8, key=key),
-            eqx.nn.Sequential([lin, eqx.nn.Lambda(jax.nn.relu)]),
+            eqx.nn.Sequential((lin, eqx.nn.Lambda(jax.nn.relu))),
             eqx.nn.Conv2d(2, 3, 3, key=key),
             eqx.nn.LayerNorm(4),
         ),
@@ -88,11 +88,8 @@ def _structures():
             es.metrics.Accuracy(),
         ),
         "a wrapped function (wrapper fields)": (eqx.filter_jit(lambda x: x), lin),
-        "statics, None, empty nodes": WithStatics(lin, ["a"], maybe=(None, (), [])),
-        "named tuples, lists, dicts": (
-            Adam(jnp.zeros(()), [lin, {"b": 1.0, "a": jnp.ones(2)}]),
-            {"z": (), "y": None},
-        ),
+        "statics, None, empty nodes": WithStatics(lin, ["a"], maybe=(None, ())),
+        "named tuples": (Adam(jnp.zeros(()), (lin, jnp.ones(2))), optax.EmptyState()),
         "one leaf": jnp.ones(3),
         "no leaves": (None, ()),
     }
@@ -107,12 +104,9 @@ def _built_alike(x, y, shared):
         return x is y
     assert x is not y, f"{type(x).__name__} not built fresh"
     assert type(x) is type(y)
-    if isinstance(x, (tuple, list)):
+    if isinstance(x, tuple):
         assert len(x) == len(y)
         return all(_built_alike(a, b, shared) for a, b in zip(x, y))
-    if type(x) is dict:
-        assert list(x) == list(y)
-        return all(_built_alike(x[k], y[k], shared) for k in x)
     dx, dy = (
         object.__getattribute__(x, "__dict__"),
         object.__getattribute__(y, "__dict__"),
@@ -179,42 +173,167 @@ def test_a_static_value_is_the_structures_own_object():
     assert got.act is jax.nn.relu
 
 
+class _Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+class CastingPair(_Pair):
+    """A named tuple registered with an unflatten of its own (`_make`, which skips
+    this `__new__`), not JAX's rule for named tuples (`cls(*children)`)."""
+
+    __slots__ = ()
+
+    def __new__(cls, a, b):
+        if isinstance(a, jax.Array):
+            a = a.astype(jnp.float32)
+        return super().__new__(cls, a, b)
+
+
+jax.tree_util.register_pytree_node(
+    CastingPair, lambda p: (tuple(p), None), lambda _, ch: CastingPair._make(ch)
+)
+
+
+class Vec(tuple):
+    """A registered tuple subclass whose constructor takes one iterable."""
+
+    __slots__ = ()
+    _fields = ("x", "y")
+
+    def __new__(cls, items):
+        return super().__new__(cls, items)
+
+
+jax.tree_util.register_pytree_node(
+    Vec, lambda v: (tuple(v), None), lambda _, ch: Vec(ch)
+)
+
+
+class Cast:
+    """A data descriptor: Equinox's unflatten sets the field through it."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return 0.0 if obj is None else obj.__dict__[self.name]
+
+    def __set__(self, obj, value):
+        if isinstance(value, jax.Array):
+            value = value.astype(jnp.float32)
+        obj.__dict__[self.name] = value
+
+
+class Described(eqx.Module):
+    w: Any = Cast()
+
+
+@jax.tree_util.register_pytree_node_class
+class Doubled(tuple):
+    __slots__ = ()
+    _fields = ("x",)  # looks like a named tuple; its unflatten is its own
+
+    def tree_flatten(self):
+        return tuple(self), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls([2 * c for c in children])
+
+
 @pytest.mark.parametrize(
     "tree",
     [
         Custom(jnp.ones(2)),
         (Odd(eqx.nn.Linear(2, 2, key=jax.random.key(0))),),
+        [jnp.ones(2)],
+        {"a": jnp.ones(2)},
         collections.OrderedDict(a=jnp.ones(2)),
         collections.defaultdict(list, a=jnp.ones(2)),
+        CastingPair(jnp.ones(2, jnp.int32), jnp.ones(2)),
+        Vec([jnp.ones(2), jnp.zeros(2)]),
+        Described(jnp.ones(2, jnp.int32)),
+        Doubled([jnp.ones(())]),
     ],
-    ids=["custom node", "own __getattribute__", "OrderedDict", "defaultdict"],
+    ids=[
+        "custom node",
+        "own __getattribute__",
+        "list",
+        "dict",
+        "OrderedDict",
+        "defaultdict",
+        "named tuple with its own unflatten",
+        "tuple node with its own constructor",
+        "module field with a data descriptor",
+        "unflatten that changes its leaves",
+    ],
 )
 def test_a_node_it_cannot_rebuild_exactly_is_unflattened(tree):
+    """No rebuild (and no error): the step unflattens such a structure, which
+    here would build another object from the same leaves than the rebuild."""
     _, treedef = jax.tree_util.tree_flatten(tree)
     assert rebuilder(treedef) is None
 
 
-def test_an_unflatten_that_changes_its_leaves_is_not_rebuilt():
-    @jax.tree_util.register_pytree_node_class
-    class Scaled(tuple):
-        __slots__ = ()
-        _fields = ("x",)  # looks like a named tuple; its unflatten is its own
+class Node(eqx.Module):
+    child: Any
 
-        def tree_flatten(self):
-            return tuple(self), None
 
-        @classmethod
-        def tree_unflatten(cls, aux, children):
-            return cls([2 * c for c in children])
+def test_a_structure_too_deep_to_rebuild_is_unflattened():
+    """`rebuilder` never raises: a structure nested past what Python compiles
+    (or recurses through) is unflattened, and a step on it runs."""
+    tree: Any = jnp.ones(())
+    for _ in range(400):
+        tree = Node(tree)
+    _, treedef = jax.tree_util.tree_flatten(tree)
+    rebuilder(treedef)  # None or a rebuild; not an error
 
-    _, treedef = jax.tree_util.tree_flatten(Scaled([jnp.ones(())]))
-    assert rebuilder(treedef) is None
+    def innermost(m):
+        while isinstance(m, Node):
+            m = m.child
+        return m
+
+    step = es.make_step(lambda m, x: jnp.mean(innermost(m) * x), optax.sgd(0.1))
+    opt_state = step.init(tree)
+    for _ in range(3):
+        tree, opt_state = step(tree, opt_state, jnp.ones(()))
+    np.testing.assert_allclose(innermost(tree), 1.0 - 0.3, rtol=1e-6)
+
+
+class Scaled(eqx.Module):
+    w: jax.Array
+    scale: Any = eqx.field(static=True)
+
+    def __call__(self, x):
+        scale = self.scale
+        return self.w * x * getattr(scale, "scale", scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    scale: float
+
+
+def test_a_loop_keeps_its_own_static_values():
+    """Two loops on models whose static fields are equal but not the same object
+    (`1` and `1.0`, two equal configs: one structure to JAX): each loop's models
+    keep their own static objects, as JAX's unflatten of their structure gives
+    them (a rebuild made for the first loop would give the second its values)."""
+    step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
+    for first, second in ((1, 1.0), (Config(1.0), Config(1.0))):
+        for scale in (first, second):
+            model = Scaled(jnp.ones(2), scale)
+            opt_state = step.init(model)
+            for _ in range(3):  # the second call on is rebuilt
+                model, opt_state = step(model, opt_state, jnp.ones(2))
+                assert model.scale is scale
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
-def test_a_step_rebuilds_its_carry_as_unflatten_does(mode):
-    """The step uses the rebuild (not the fallback) for a model with every kind of
-    state, and at each call its carry is built as JAX's unflatten of the same
+def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
+    """From its second call on, a step loop rebuilds its carry (not the fallback)
+    for a model with every kind of state, built as JAX's unflatten of the same
     leaves builds it; the numbers are those of the same step unflattening with JAX
     (the runners' numbers against a hand-threaded loop: `test_runners`)."""
     from tests.core.test_runners import data, loss_fn
@@ -225,18 +344,21 @@ def test_a_step_rebuilds_its_carry_as_unflatten_does(mode):
     compiled = step._compiled
     assert isinstance(compiled, Compiled)
     xs, ys = data()
-    for x, y in zip(xs, ys):
+    for i, (x, y) in enumerate(zip(xs, ys)):
         model, opt_state = step(model, opt_state, x, y)
+        build = compiled._last[4]
+        if i == 0:
+            assert build is None  # made at the loop's second call
+            continue
+        assert build.__code__.co_filename.startswith("<rebuild")
         leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
-        frozen, build = compiled._structures[treedef]
-        assert frozen and build is not treedef.unflatten
         want = treedef.unflatten(leaves)
         assert _built_alike(build(leaves), want, [*leaves, *_statics(want)])
     # against the same step with the rebuild turned off (JAX's unflatten)
+    monkeypatch.setattr(_dispatch, "rebuilder", lambda treedef: None)
     plain = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
     ref_model = _net(mode)
     ref_state = plain.init(ref_model)
-    plain._compiled._structure = lambda td: (False, td.unflatten)
     for x, y in zip(xs, ys):
         ref_model, ref_state = plain(ref_model, ref_state, x, y)
     for a, b in zip(
@@ -246,13 +368,18 @@ def test_a_step_rebuilds_its_carry_as_unflatten_does(mode):
         np.testing.assert_array_equal(a, b)
 
 
-def test_copies_of_a_rebuilt_model_are_independent():
-    """`copy.copy`/`copy.deepcopy` of a model a step rebuilt behave as Equinox's."""
+def test_a_rebuilt_model_copies_and_pickles():
+    """`copy.copy`, `copy.deepcopy` and a pickle round trip of a model a step
+    rebuilt give an equal model of the same structure."""
     step = es.make_step(lambda m, x: jnp.mean(m(x) ** 2), optax.sgd(0.1))
     model = es.nn.Batched(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
     opt_state = step.init(model)
     model, opt_state = step(model, opt_state, jnp.ones((3, 2)))
-    for c in (copy.copy(model), copy.deepcopy(model)):
+    for c in (
+        copy.copy(model),
+        copy.deepcopy(model),
+        pickle.loads(pickle.dumps(model)),
+    ):
         assert type(c) is type(model)
         np.testing.assert_array_equal(c.layer.weight, model.layer.weight)
         assert eqx.tree_equal(c, model)

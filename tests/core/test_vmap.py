@@ -462,3 +462,37 @@ def test_a_scan_over_stacked_cells_inside_es_vmap_names_the_loop_outside():
         np.asarray(stack.running_mean[...]), np.stack(means), rtol=1e-5, atol=1e-6
     )
     assert np.asarray(stack.num_batches_tracked[...]).tolist() == [1, 1]
+
+
+class _Twice(eqx.Module):
+    a: es.nn.BatchNorm
+    b: es.nn.BatchNorm
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("twin", ["same layer", "copied refs"])
+def test_one_ref_at_two_places_is_one_state_under_es_vmap(twin):
+    """A ref-mode BatchNorm at two places of a model (the same layer, or layers
+    holding `copy.copy`s of its refs: the same arrays) is one state under
+    `es.vmap`, both updates landing in it; NumPy (float64) is the reference."""
+    import copy
+
+    bn = es.to_refs(es.nn.BatchNorm(3, channel_axis=0, axis_name="b"))
+    other = bn
+    if twin == "copied refs":
+        other = jax.tree.map(
+            lambda x: copy.copy(x) if isinstance(x, jax.Ref) else x, bn
+        )
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    es.vmap(_Twice(bn, other), axis_name="b")(jnp.asarray(x))
+    assert int(bn.num_batches_tracked[...]) == 2
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(0), x64.var(0)
+    y = (x64 - mean) / np.sqrt(var + 1e-5)  # the first application's output
+    n = len(x)
+    want_mean = 0.9 * (0.1 * mean) + 0.1 * y.mean(0)
+    want_var = 0.9 * (0.9 + 0.1 * var * n / (n - 1)) + 0.1 * y.var(0) * n / (n - 1)
+    np.testing.assert_allclose(bn.running_mean[...], want_mean, atol=1e-6)
+    np.testing.assert_allclose(bn.running_var[...], want_var, rtol=1e-4)
