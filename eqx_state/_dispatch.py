@@ -524,7 +524,7 @@ class Compiled:
         self._last_signature: tuple | None = None  # (key, signature) of the last call
         # the carry the last call returned, for the next (see `call`): (its
         # skeleton, its leaves, its structure, the weak references of the
-        # skeleton, that structure's rebuild or None), or None; and which
+        # skeleton, that structure's rebuild or the loop's calls), or None; and which
         # structures are immutable
         self._last: tuple | None = None
         self._frozen: dict[Any, bool] = {}
@@ -678,24 +678,28 @@ class Compiled:
         node type anywhere in the carry is flattened on every call, so a change
         made in place between calls is read.
 
-        From the second call of such a loop on, the new carry is built by one
-        function generated for the remembered structure (`_rebuild.rebuilder`:
-        the objects `treedef.unflatten` builds, the same static values), made
-        before the call runs (it never raises)."""
+        Once such a loop has made `_REBUILD_AFTER` calls, the new carry is built
+        by one function generated for the remembered structure
+        (`_rebuild.rebuilder`: the objects `treedef.unflatten` builds, the same
+        static values), made before the call runs (it never raises). Making it
+        costs some tens of unflattens, which a short loop would not win back."""
         with GcPaused():
             last = self._last
             known = last is not None and _same(carry, last[0])
-            build: Callable[[Sequence], Any] | None = None
+            build: Any = 0  # the rebuild, or how many calls the loop has made
             if known:
                 leaves, treedef, build = last[1], last[2], last[4]  # type: ignore[index]
-                if build is None:
+                if build == _REBUILD_AFTER:
                     build = rebuilder(treedef) or treedef.unflatten
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
             new_leaves, result = self.call_flat(
                 leaves, treedef, args, kwargs, known=known
             )
-            new = (build or treedef.unflatten)(new_leaves)
+            if type(build) is int:
+                new, build = treedef.unflatten(new_leaves), build + 1
+            else:
+                new = build(new_leaves)
             self._remember(new, new_leaves, treedef, True if known else None, build)
             return new, result
 
@@ -705,7 +709,7 @@ class Compiled:
         leaves: list,
         treedef: Any,
         frozen: bool | None,
-        build: Callable[[Sequence], Any] | None,
+        build: Any,
     ) -> None:
         """Keep `new` (the carry a call returned) with its leaves for the next
         call (see `call`), when its structure is immutable and no outer
@@ -715,7 +719,8 @@ class Compiled:
         state (a module or an array of it), the remembered leaves are let go.
         `frozen`: already known for `treedef` (the remembered one: it was frozen),
         or `None` (looked up here; hashing a structure walks all its nodes).
-        `build`: the rebuild of this very `treedef` (its static values), if made."""
+        `build`: the rebuild of this very `treedef` (its static values), or the
+        number of calls the loop has made (see `call`)."""
         self._last = None
         if frozen is None:
             frozen = self._frozen.get(treedef)
@@ -923,6 +928,9 @@ class Compiled:
 
 
 _AMBIGUOUS = object()
+# the calls a loop makes before its carry is rebuilt by a generated function
+# (`Compiled.call`)
+_REBUILD_AFTER = 4
 
 
 _STRONG, _TUPLE = object(), object()

@@ -18,8 +18,9 @@ was built by the unflatten and is rebuilt the same way. Only nodes whose unflatt
 is known exactly are handled:
 
 * a tuple, and a named tuple JAX unflattens with its built-in rule
-  (`cls(*children)`: one not registered as a node type of its own) and without an
-  instance `__dict__`;
+  (`cls(*children)`: one not registered as a node type of its own) built by the
+  `__new__` `collections.namedtuple` generates, without an `__init__` of its own or
+  an instance `__dict__`;
 * an Equinox module (Equinox registers its own generated unflatten, which cannot be
   replaced: `object.__new__(cls)`, then each field with `object.__setattr__`) with
   no `__slots__` of its own, whose `__dict__` is read as stored
@@ -28,16 +29,19 @@ is known exactly are handled:
   would not): the new object's `__dict__` is filled in the same order;
 * a marker, standing for the leaf at its position, each exactly once.
 
-For anything else (a list, a dict, another custom node, a leaf the unflatten
-changed) `rebuilder` gives `None` and the caller uses `treedef.unflatten`; it never
-raises. The generated function is checked against `treedef.unflatten` on a third
+The node types are checked before anything is unflattened, so the probes run no
+user code. For anything else (a list, a dict, another custom node, a leaf the
+unflatten changed) `rebuilder` gives `None` and the caller uses
+`treedef.unflatten`; it never raises. The generated function is checked against `treedef.unflatten` on a third
 set of markers before it is returned (`_alike`), and its code is shared by every
 structure that generates the same source (each bound to its own static values).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +56,8 @@ _get = object.__getattribute__
 # loop) share it; bounded, cleared when full
 _CODE: dict[str, types.CodeType] = {}
 _CODE_LIMIT = 64
+# whether a node type is rebuilt here (`_known_node_type`), by class
+_KNOWN: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 class _Marker:
@@ -84,16 +90,25 @@ def _reads_dict_as_stored(cls: type) -> bool:
     )
 
 
-def _plain_module(cls: type, names: Sequence[str]) -> bool:
-    """Whether an instance of `cls` with the fields `names` in its `__dict__` is
-    rebuilt exactly by filling a new instance's `__dict__` (see the module
-    docstring)."""
+def _known_node_type(cls: type) -> bool:
+    """Whether nodes of type `cls` are rebuilt exactly here (see the module
+    docstring); found once per class."""
+    known = _KNOWN.get(cls)
+    if known is None:
+        known = _KNOWN[cls] = _plain_module(cls) or _named_tuple(cls)
+    return known
+
+
+def _plain_module(cls: type) -> bool:
+    """An Equinox module whose instances are rebuilt exactly by filling a new
+    instance's `__dict__`: Equinox's unflatten, with no user code on the way."""
     if not (
         issubclass(cls, eqx.Module)
         and cls.__dictoffset__ != 0  # type: ignore[attr-defined]
         and _reads_dict_as_stored(cls)
     ):
         return False
+    names = [f.name for f in dataclasses.fields(cls)]  # pyright: ignore[reportArgumentType]
     for c in cls.__mro__:
         if not set(c.__dict__.get("__slots__", ())) <= {"__weakref__", "__dict__"}:
             return False
@@ -104,12 +119,36 @@ def _plain_module(cls: type, names: Sequence[str]) -> bool:
 
 
 def _named_tuple(cls: type) -> bool:
-    return (
+    """A named tuple that JAX unflattens with its built-in rule (not registered as
+    a node type of its own), built by the `__new__` `collections.namedtuple`
+    generates (the items in order: no user code), with no `__init__` of its own
+    and no instance `__dict__`."""
+    if not (
         issubclass(cls, tuple)
         and hasattr(cls, "_fields")
         and cls.__dictoffset__ == 0  # type: ignore[attr-defined]
         and is_registered_node_type(cls) is False
-    )
+    ):
+        return False
+    generated = getattr(cls.__new__, "__globals__", {}).get("_tuple_new")
+    return generated is tuple.__new__ and cls.__init__ is tuple.__init__
+
+
+def _known_structure(treedef: Any) -> bool:
+    """Whether every node of `treedef` is of a type rebuilt here: checked on the
+    node types alone, before any unflatten runs (a probe would run user code,
+    e.g. a named tuple's own `__new__`, on markers)."""
+    todo = [treedef]
+    while todo:
+        node = todo.pop()
+        data = node.node_data()
+        if data is None:  # a leaf
+            continue
+        kind = data[0]
+        if not (kind is tuple or kind is type(None) or _known_node_type(kind)):
+            return False
+        todo.extend(node.children())
+    return True
 
 
 class _Writer:
@@ -136,14 +175,14 @@ class _Writer:
             return self.const(u)
         if type(v) is not tu:
             raise _NotPlain
-        if tu is tuple or _named_tuple(tu):
+        if tu is tuple or (_known_node_type(tu) and not issubclass(tu, eqx.Module)):
             if len(u) != len(v):
                 raise _NotPlain
             items = "".join(f"{self.expr(a, b)}, " for a, b in zip(u, v))
             return f"({items})" if tu is tuple else f"{self.const(tu)}({items})"
-        if isinstance(u, eqx.Module):
+        if issubclass(tu, eqx.Module) and _known_node_type(tu):
             du, dv = _get(u, "__dict__"), _get(v, "__dict__")
-            if list(du) != list(dv) or not _plain_module(tu, list(du)):
+            if list(du) != list(dv):
                 raise _NotPlain
             values = [self.expr(du[k], dv[k]) for k in du]
             var = f"o{len(self.lines)}"
@@ -165,6 +204,8 @@ def rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
 
 
 def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
+    if not _known_structure(treedef):
+        return None
     n = treedef.num_leaves
     first = treedef.unflatten([_Marker(i) for i in range(n)])
     second = treedef.unflatten([_Marker(i) for i in range(n)])
@@ -186,10 +227,10 @@ def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
     namespace: dict[str, Any] = {"new": _new, "get": _get}
     namespace.update((f"K{j}", x) for j, x in enumerate(writer.consts))
     exec(code, namespace)
-    build = namespace["build"]
+    build = namespace.pop("build")  # (not kept in its own globals: no cycle)
     markers = [_Marker(i) for i in range(n)]
     if not _alike(build(markers), treedef.unflatten(markers)):  # pragma: no cover
-        return None  # a guard: the walk above already holds every node to this
+        return None  # a guard: the node types checked above are built this way
     return build
 
 

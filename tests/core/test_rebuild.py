@@ -23,7 +23,7 @@ import pytest
 
 import eqx_state as es
 from eqx_state import _dispatch
-from eqx_state._dispatch import Compiled
+from eqx_state._dispatch import _REBUILD_AFTER, Compiled
 from eqx_state._rebuild import rebuilder
 
 
@@ -195,6 +195,19 @@ jax.tree_util.register_pytree_node(
 )
 
 
+NEW_CALLS: list = []
+
+
+class CountedPair(_Pair):
+    """A named tuple (JAX's built-in rule) with a `__new__` of its own."""
+
+    __slots__ = ()
+
+    def __new__(cls, a, b):
+        NEW_CALLS.append((a, b))
+        return super().__new__(cls, a, b)
+
+
 class Vec(tuple):
     """A registered tuple subclass whose constructor takes one iterable."""
 
@@ -252,6 +265,7 @@ class Doubled(tuple):
         collections.OrderedDict(a=jnp.ones(2)),
         collections.defaultdict(list, a=jnp.ones(2)),
         CastingPair(jnp.ones(2, jnp.int32), jnp.ones(2)),
+        CountedPair(jnp.ones(2), jnp.ones(2)),
         Vec([jnp.ones(2), jnp.zeros(2)]),
         Described(jnp.ones(2, jnp.int32)),
         Doubled([jnp.ones(())]),
@@ -264,6 +278,7 @@ class Doubled(tuple):
         "OrderedDict",
         "defaultdict",
         "named tuple with its own unflatten",
+        "named tuple with its own __new__",
         "tuple node with its own constructor",
         "module field with a data descriptor",
         "unflatten that changes its leaves",
@@ -271,9 +286,12 @@ class Doubled(tuple):
 )
 def test_a_node_it_cannot_rebuild_exactly_is_unflattened(tree):
     """No rebuild (and no error): the step unflattens such a structure, which
-    here would build another object from the same leaves than the rebuild."""
+    here would build another object from the same leaves than the rebuild. The
+    node types are refused before any unflatten: no user code runs on markers."""
     _, treedef = jax.tree_util.tree_flatten(tree)
+    NEW_CALLS.clear()
     assert rebuilder(treedef) is None
+    assert NEW_CALLS == []
 
 
 class Node(eqx.Module):
@@ -296,9 +314,11 @@ def test_a_structure_too_deep_to_rebuild_is_unflattened():
 
     step = es.make_step(lambda m, x: jnp.mean(innermost(m) * x), optax.sgd(0.1))
     opt_state = step.init(tree)
-    for _ in range(3):
+    for _ in range(_REBUILD_AFTER + 2):
         tree, opt_state = step(tree, opt_state, jnp.ones(()))
-    np.testing.assert_allclose(innermost(tree), 1.0 - 0.3, rtol=1e-6)
+    np.testing.assert_allclose(
+        innermost(tree), 1.0 - 0.1 * (_REBUILD_AFTER + 2), rtol=1e-6
+    )
 
 
 class Scaled(eqx.Module):
@@ -325,17 +345,18 @@ def test_a_loop_keeps_its_own_static_values():
         for scale in (first, second):
             model = Scaled(jnp.ones(2), scale)
             opt_state = step.init(model)
-            for _ in range(3):  # the second call on is rebuilt
+            for _ in range(_REBUILD_AFTER + 2):  # the last calls are rebuilt
                 model, opt_state = step(model, opt_state, jnp.ones(2))
                 assert model.scale is scale
 
 
 @pytest.mark.parametrize("mode", ["value", "ref"])
 def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
-    """From its second call on, a step loop rebuilds its carry (not the fallback)
-    for a model with every kind of state, built as JAX's unflatten of the same
-    leaves builds it; the numbers are those of the same step unflattening with JAX
-    (the runners' numbers against a hand-threaded loop: `test_runners`)."""
+    """Once it has made `_REBUILD_AFTER` calls, a step loop rebuilds its carry (not
+    the fallback) for a model with every kind of state: each carry it returns is
+    built as JAX's unflatten of the same leaves builds it, and the numbers are those
+    of the same step unflattening with JAX (the runners' numbers against a
+    hand-threaded loop: `test_runners`)."""
     from tests.core.test_runners import data, loss_fn
 
     step = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
@@ -344,22 +365,24 @@ def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
     compiled = step._compiled
     assert isinstance(compiled, Compiled)
     xs, ys = data()
-    for i, (x, y) in enumerate(zip(xs, ys)):
+    calls = [(xs[i % len(xs)], ys[i % len(ys)]) for i in range(_REBUILD_AFTER + 3)]
+    for i, (x, y) in enumerate(calls):
         model, opt_state = step(model, opt_state, x, y)
         build = compiled._last[4]
-        if i == 0:
-            assert build is None  # made at the loop's second call
+        if i < _REBUILD_AFTER:
+            assert build == i + 1  # the loop's calls so far: unflattened
             continue
         assert build.__code__.co_filename.startswith("<rebuild")
-        leaves, treedef = jax.tree_util.tree_flatten((model, opt_state))
+        leaves, treedef = compiled._last[1], compiled._last[2]  # what it was built from
         want = treedef.unflatten(leaves)
-        assert _built_alike(build(leaves), want, [*leaves, *_statics(want)])
+        got = (model, opt_state)
+        assert _built_alike(got, want, [*leaves, *_statics(want)])
     # against the same step with the rebuild turned off (JAX's unflatten)
     monkeypatch.setattr(_dispatch, "rebuilder", lambda treedef: None)
     plain = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
     ref_model = _net(mode)
     ref_state = plain.init(ref_model)
-    for x, y in zip(xs, ys):
+    for x, y in calls:
         ref_model, ref_state = plain(ref_model, ref_state, x, y)
     for a, b in zip(
         jax.tree.leaves(es.freeze((model, opt_state))),
