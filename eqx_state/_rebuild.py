@@ -56,7 +56,7 @@ _get = object.__getattribute__
 # loop) share it; bounded, cleared when full
 _CODE: dict[str, types.CodeType] = {}
 _CODE_LIMIT = 64
-# whether a node type is rebuilt here (`_known_node_type`), by class
+# whether a module class is rebuilt here (`_known_node_type`)
 _KNOWN: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
@@ -92,10 +92,13 @@ def _reads_dict_as_stored(cls: type) -> bool:
 
 def _known_node_type(cls: type) -> bool:
     """Whether nodes of type `cls` are rebuilt exactly here (see the module
-    docstring); found once per class."""
+    docstring); found once per module class (a named tuple is asked each time:
+    it may be registered as a node type of its own later)."""
     known = _KNOWN.get(cls)
     if known is None:
-        known = _KNOWN[cls] = _plain_module(cls) or _named_tuple(cls)
+        if not issubclass(cls, eqx.Module):
+            return _named_tuple(cls)
+        known = _KNOWN[cls] = _plain_module(cls)
     return known
 
 
