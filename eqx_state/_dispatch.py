@@ -88,7 +88,7 @@ from ._modes import (
     named_call_leaves,
     refuse_shared_refs,
 )
-from ._rebuild import _reads_dict_as_stored, rebuilder
+from ._rebuild import _reads_dict_as_stored, every_node_type, rebuilder
 from ._sharding import (
     constrain,
     explain_sharding_error,
@@ -990,28 +990,16 @@ def _frozen_structure(treedef: Any) -> bool:
     what they hold: tuples (named tuples too: optax's states), `None`, and Equinox
     modules whose `__dict__` is read as stored (Equinox's flatten reads it; a
     module refuses attribute assignment). Lists, dicts and other node types are
-    mutable or unknown. (A walk with a stack: a deeply nested model is not a
-    Python recursion.)"""
-    todo = [treedef]
-    while todo:
-        node = todo.pop()
-        data = node.node_data()
-        if data is None:  # a leaf
-            continue
-        kind = data[0]
-        if kind is tuple or kind is type(None):
-            pass
-        elif (
-            issubclass(kind, tuple)
-            and hasattr(kind, "_fields")
-            and kind.__dictoffset__ == 0  # type: ignore[attr-defined]
-        ):
-            pass  # a named tuple without an instance `__dict__`: only its items,
-            # which cannot change, are there to flatten
-        elif not (issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)):
-            return False
-        todo.extend(node.children())
-    return True
+    mutable or unknown."""
+    return every_node_type(treedef, _immutable_node_type)
+
+
+def _immutable_node_type(kind: type) -> bool:
+    if issubclass(kind, tuple):
+        # a named tuple without an instance `__dict__`: only its items, which
+        # cannot change, are there to flatten
+        return hasattr(kind, "_fields") and kind.__dictoffset__ == 0  # type: ignore[attr-defined]
+    return issubclass(kind, eqx.Module) and _reads_dict_as_stored(kind)
 
 
 def _inside_a_call() -> bool:

@@ -137,10 +137,10 @@ def _named_tuple(cls: type) -> bool:
     return generated is tuple.__new__ and cls.__init__ is tuple.__init__
 
 
-def _known_structure(treedef: Any) -> bool:
-    """Whether every node of `treedef` is of a type rebuilt here: checked on the
-    node types alone, before any unflatten runs (a probe would run user code,
-    e.g. a named tuple's own `__new__`, on markers)."""
+def every_node_type(treedef: Any, accept: Callable[[type], bool]) -> bool:
+    """Whether `accept(t)` holds for the type `t` of every node of `treedef`
+    (tuples and `None` always do). A walk with a stack: a deeply nested model is
+    not a Python recursion."""
     todo = [treedef]
     while todo:
         node = todo.pop()
@@ -148,7 +148,7 @@ def _known_structure(treedef: Any) -> bool:
         if data is None:  # a leaf
             continue
         kind = data[0]
-        if not (kind is tuple or kind is type(None) or _known_node_type(kind)):
+        if not (kind is tuple or kind is type(None) or accept(kind)):
             return False
         todo.extend(node.children())
     return True
@@ -207,7 +207,9 @@ def rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
 
 
 def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
-    if not _known_structure(treedef):
+    # the node types first, before any unflatten runs: a probe would run user
+    # code (e.g. a named tuple's own `__new__`) on markers
+    if not every_node_type(treedef, _known_node_type):
         return None
     n = treedef.num_leaves
     first = treedef.unflatten([_Marker(i) for i in range(n)])
