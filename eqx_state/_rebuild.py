@@ -32,10 +32,10 @@ is known exactly are handled:
 The node types are checked before anything is unflattened, so the probes run no
 user code. For anything else (a list, a dict, another custom node, a leaf the
 unflatten changed) `rebuilder` gives `None` and the caller uses
-`treedef.unflatten`; it never raises. The generated function is checked against `treedef.unflatten` on a third
-set of markers before it is returned (`_alike`), and its code is shared by every
-structure that generates the same source (each bound to its own static values).
-"""
+`treedef.unflatten`; it never raises. The generated function is checked against
+`treedef.unflatten` on a third set of markers before it is returned (`_alike`),
+and its code is shared by every structure that generates the same source (each
+bound to its own static values)."""
 
 from __future__ import annotations
 
