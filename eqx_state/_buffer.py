@@ -523,7 +523,13 @@ def _write(buf: Buffer, idx: Any, new: Any) -> None:
     if idx is Ellipsis and _eager_whole_write(cell, new):
         return
     try:
-        cell[idx] = jax.lax.stop_gradient(new)
+        # a write carries no gradient; an integer, boolean or key value has none
+        # to stop (one staged operation less per count write)
+        cell[idx] = (
+            jax.lax.stop_gradient(new)
+            if jnp.issubdtype(new.dtype, jnp.inexact)
+            else new
+        )
     except jax.errors.UnexpectedTracerError as e:
         if _escaped(cell, e):  # not a leaked value: JAX's error names that
             raise StateError(leaked_message(describe(buf), cell)) from e

@@ -81,7 +81,7 @@ from ._errors import (
     user_stacklevel,
 )
 from ._modes import (
-    _WITNESS_DTYPE,
+    _constant_witness,
     call_leaf_names,
     call_path_name,
     model_path,
@@ -418,7 +418,7 @@ class _Plan:
             for i, x in zip(idx, xs):
                 leaves[i] = x
         for i in sig.witness_idx:  # a stand-in: its output is the caller's own
-            leaves[i] = jnp.zeros((*jnp.shape(leaves[i - 1]), 0), _WITNESS_DTYPE)
+            leaves[i] = _constant_witness((*jnp.shape(leaves[i - 1]), 0))
         new_carry, result = owner.fn(*sig.unflatten(leaves))
         out_leaves, out_treedef = jax.tree_util.tree_flatten(new_carry)
         if out_treedef != sig.carry_treedef:

@@ -268,7 +268,7 @@ def _witness(v: Any) -> jax.Array:
         sharding = getattr(jax.typeof(v), "sharding", None)
         if any(s is not None for s in getattr(sharding, "spec", ())):
             return jax.lax.full(shape, 0.0, _WITNESS_DTYPE, sharding=sharding)
-        return jnp.zeros(shape, _WITNESS_DTYPE)
+        return _constant_witness(shape)
     w = jnp.zeros(shape, _WITNESS_DTYPE)
     sharding = getattr(v, "sharding", None)
     if getattr(v, "committed", False) and isinstance(
@@ -278,6 +278,26 @@ def _witness(v: Any) -> jax.Array:
         # the witness as it is (an uncommitted one would be moved at every call);
         # an uncommitted cell (a fresh model's) gets an uncommitted one
         w = jax.device_put(w, sharding)
+    return w
+
+
+_CONSTANT_WITNESSES: dict[tuple[int, ...], jax.Array] = {}
+
+
+def _constant_witness(shape: tuple[int, ...]) -> jax.Array:
+    """A concrete zero-size witness of `shape`, made once per shape. Inside a trace
+    (every step's and apply's `thaw`, one per cell) a staged `jnp.zeros` is an
+    operation of the program (dead, but traced, discharged and lowered); a concrete
+    constant is not, unless a transformation uses it. It holds no data, so one
+    array serves every cell of that shape."""
+    if not all(type(d) is int for d in shape):  # a symbolic dimension (`jax.export`)
+        return jnp.zeros(shape, _WITNESS_DTYPE)
+    w = _CONSTANT_WITNESSES.get(shape)
+    if w is None:
+        if len(_CONSTANT_WITNESSES) > 1000:  # a bound (shapes are few)
+            _CONSTANT_WITNESSES.clear()
+        with jax.ensure_compile_time_eval():
+            w = _CONSTANT_WITNESSES[shape] = jnp.zeros(shape, _WITNESS_DTYPE)
     return w
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Integer
 
 from .._buffer import CounterState, _LayerBase
@@ -159,10 +160,15 @@ def saturating_add(count: Array, n: ArrayLike) -> Array:
     (BatchNorm's `num_batches_tracked`, RunningNorm's, EMA's and Capture's). A
     count that wrapped would turn negative, and every weight computed from it
     (`1 / count`, `n / (count + n)`) with it."""
-    top = jnp.asarray(jnp.iinfo(count.dtype).max, count.dtype)
-    n = jnp.asarray(n, count.dtype)
-    total = count + n
-    # `jnp.where(count > top - n, top, total)`, as one `select`: `jnp.where` is a
-    # jitted function, a nested call in every compiled step (one per BatchNorm)
-    full = count > top - n
-    return jax.lax.select(full, jax.lax.full_like(total, top), total)
+    dtype = jnp.dtype(count.dtype)
+    top = int(jnp.iinfo(dtype).max)
+    # `min(count, top - n) + n`: `top` where `count > top - n`, else `count + n`,
+    # which then cannot wrap. Two operations (a `select` form takes four); for a
+    # Python int `n` (a layer's `+ 1`), `top - n` is a constant, not staged.
+    if isinstance(n, int) and 0 <= n <= top:
+        room: ArrayLike = np.asarray(top - n, dtype)
+        step: ArrayLike = np.asarray(n, dtype)
+    else:
+        step = jnp.asarray(n, dtype)
+        room = np.asarray(top, dtype) - step
+    return jnp.minimum(count, room) + step

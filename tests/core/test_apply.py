@@ -123,3 +123,40 @@ def test_inference_mode_model_writes_nothing_and_needs_no_state():
     out, new = run(model, jnp.ones((2, 4)))
     assert int(new.bn.num_batches_tracked[...]) == 0
     assert out.shape == ()
+
+
+@pytest.mark.both_modes  # under a trace, ref mode writes the given refs
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_traced_call_stages_no_dead_operations_for_cells(mode):
+    """What a compiled call adds per cell is its ref's operations, nothing dead:
+    no zero-size shape witness is computed in the program (a step and an apply
+    make one per cell; a constant is used, staged only where a transformation
+    uses it), and an integer count's write stops no gradient (it has none)."""
+    model = es.nn.BatchNorm(3)
+    if mode == "ref":
+        model = es.to_refs(model)
+    x = jnp.arange(12.0).reshape(4, 3)
+
+    def call(model, x):
+        return es.make_apply(lambda m, x: m(x))(model, x)
+
+    jaxpr = eqx.filter_make_jaxpr(call)(model, x)[0]
+    eqns = []
+
+    def walk(j):
+        for e in j.eqns:
+            eqns.append(e)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert any(e.primitive.name == "swap" for e in eqns)  # the cells are written
+    zero_size = [e for e in eqns if any(0 in v.aval.shape for v in e.outvars)]
+    assert not zero_size, zero_size
+    int_stops = [
+        e
+        for e in eqns
+        if e.primitive.name == "stop_gradient"
+        and not jnp.issubdtype(e.outvars[0].aval.dtype, jnp.inexact)
+    ]
+    assert not int_stops, int_stops

@@ -584,11 +584,18 @@ def test_the_layers_counts_saturate_in_every_integer_dtype(dtype):
 
     top = int(np.iinfo(dtype).max)
     counts = np.array([0, 5, top - 3, top - 1, top], dtype)
-    for n in (0, 1, 3, 7):
-        got = saturating_add(jnp.asarray(counts), n)
+    for n in (0, 1, 3, 7, top - 1, top):
         want = np.minimum(counts.astype(np.int64) + n, top).astype(dtype)
-        assert got.dtype == jnp.dtype(dtype)
-        np.testing.assert_array_equal(got, want)
+        # a Python int (a layer's `+ 1`), an array of the count's dtype (a
+        # merge's count), and both inside a compiled function
+        for got in (
+            saturating_add(jnp.asarray(counts), n),
+            saturating_add(jnp.asarray(counts), jnp.asarray(n, dtype)),
+            jax.jit(lambda c, n=n: saturating_add(c, n))(jnp.asarray(counts)),
+            jax.jit(saturating_add)(jnp.asarray(counts), jnp.asarray(n, dtype)),
+        ):
+            assert got.dtype == jnp.dtype(dtype)
+            np.testing.assert_array_equal(got, want)
 
 
 def test_a_merge_of_wide_counts_saturates_at_int32():
