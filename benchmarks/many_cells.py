@@ -84,7 +84,10 @@ def fit(by_n: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     if all("es_ref" in rows and "es_value" in rows for rows in by_n.values()):
         # issue 23: ref mode's extra cost per BatchNorm over value mode's, from the
         # same-round difference (the load both share does not widen its interval)
-        out["ref_value"] = stats.fit_many(by_n, "es_value")["es_ref"]
+        # (a line needs two N: with one, there is no slope to report)
+        ref_value = stats.fit_many(by_n, "es_value").get("es_ref")
+        if ref_value is not None:
+            out["ref_value"] = ref_value
     return out
 
 

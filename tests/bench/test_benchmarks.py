@@ -301,3 +301,25 @@ def test_fit_many_pairs_each_variant_with_the_reference(stats):
     assert fits["es_value"]["slope"] == pytest.approx(b)
     assert fits["es_value"]["slope_ci"] == pytest.approx([b, b])
     assert fits["pure_jax"]["slope"] == pytest.approx(10.0)  # its own step time
+
+
+def test_many_cells_fits_ref_against_value_only_over_two_sizes():
+    """Ref mode's extra cost per BatchNorm over value mode (issue 23) is a slope:
+    over one N there is none to fit and the report leaves it out (it raised a
+    KeyError after the whole run); over two it is the line through the same-round
+    differences."""
+    mc = _load("many_cells")
+
+    def rows(n):
+        base = [40 + 10 * n + j for j in (0.0, 3.0, -2.0)]
+        value = [t + 5 + 2.0 * n for t in base]
+        ref = [t + 1 + 0.5 * n for t in value]
+        return {
+            name: {"rounds_us": r, "blocking_rounds_us": r}
+            for name, r in (("pure_jax", base), ("es_value", value), ("es_ref", ref))
+        }
+
+    assert "ref_value" not in mc.fit({100: rows(100)})
+    fits = mc.fit({30: rows(30), 100: rows(100)})
+    assert fits["ref_value"]["slope"] == pytest.approx(0.5)
+    assert fits["pure_jax"]["es_value"]["slope"] == pytest.approx(2.0)
