@@ -296,7 +296,9 @@ def _constant_witness(shape: tuple[int, ...]) -> jax.Array:
     if w is None:
         if len(_CONSTANT_WITNESSES) > 1000:  # a bound (shapes are few)
             _CONSTANT_WITNESSES.clear()
-        with jax.ensure_compile_time_eval():
+        # made eagerly: allowed under a user's `jax.transfer_guard("disallow")`
+        # (the staged `jnp.zeros` it stands for transfers nothing)
+        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
             w = _CONSTANT_WITNESSES[shape] = jnp.zeros(shape, _WITNESS_DTYPE)
     return w
 

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqx_state as es
@@ -160,3 +161,28 @@ def test_a_traced_call_stages_no_dead_operations_for_cells(mode):
         and not jnp.issubdtype(e.outvars[0].aval.dtype, jnp.inexact)
     ]
     assert not int_stops, int_stops
+
+
+def test_a_step_traces_under_a_transfer_guard():
+    """A step traced inside `jax.transfer_guard("disallow")` (a user checking a loop
+    for hidden transfers) transfers nothing of the library's own: the constant
+    shape witnesses a trace makes (a cell shape seen for the first time here) are
+    made with transfers allowed, as the staged zeros they stand for needed none."""
+
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        cell: es.Buffer
+
+        def __call__(self, x):
+            self.cell[...] = self.cell[...] + 1
+            return self.lin(x)
+
+    model = Net(
+        eqx.nn.Linear(3, 2, key=jax.random.key(0)), es.Buffer(jnp.zeros((5, 11, 3)))
+    )
+    step = es.make_step(lambda m, x: jnp.sum(m(x)), optax.sgd(0.1), donate=False)
+    opt_state = step.init(model)
+    x = jnp.ones(3)
+    with jax.transfer_guard("disallow"):
+        model, opt_state = step(model, opt_state, x)
+    assert float(model.cell[...][0, 0, 0]) == 1.0
