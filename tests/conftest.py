@@ -167,101 +167,18 @@ def _split_cases(items) -> None:
                     item.add_marker(pytest.mark.slow)
 
 
-# The longest cases of the default run, measured on CI's 2 cores (`pytest
-# --durations=120`, 3.4 s to 16 s each; together about a third of the default run's
-# time): they run with the slow cases (`pytest -m slow`, also in CI), so that the
-# default run stays near six minutes. Kept in the default run although as long: the
-# runners' parity tests (tests/core/test_runners.py), the scan's K-steps test, the
-# README's example, the torch state-dict round trip, the language-model example, the
-# multi-device core group, and one case each of what no other default case covers
-# (weak scalars, the confusion matrix against sklearn, per-token KV decoding, an
-# interrupted save, channels-last BatchNorm, frozen parameters under weight decay).
-# An id that no longer names a collected case is an error when whole files are
-# collected (a renamed test must be renamed here). A case picked by its id
-# (`pytest path::test`) runs whatever its marks (`pytest_configure` below).
-_LONG_CASES = frozenset(
-    "tests/" + i
-    for i in (
-        "bench/test_benchmarks.py::test_gate_rejects_a_wrong_variant[wrong_convention]",
-        "core/test_make_step.py::test_a_ref_mode_ensemble_steps_under_vmap_like_a_hand_threaded_loop",
-        "core/test_make_step.py::test_grad_through_a_donating_step_equals_a_hand_written_optax_loop[step]",
-        "core/test_make_step.py::test_grad_through_one_step_matches_finite_differences",
-        "core/test_make_step.py::test_vmap_ensemble_equals_solo_runs",
-        "core/test_misuse.py::test_random_layer_stacks_in_both_modes_match_numpy",
-        "core/test_semantics.py::test_optimizers_that_keep_the_initial_params_in_their_state[ref-cocob]",
-        "core/test_semantics.py::test_optimizers_that_keep_the_initial_params_in_their_state[value-prodigy]",
-        "core/test_semantics.py::test_the_step_keeps_no_model_alive",
-        "core/test_semantics.py::test_vmapped_step_leaks_no_tracer",
-        "core/test_step_edges.py::test_an_optimizer_that_needs_more_than_the_loss_names_the_fix",
-        "core/test_step_edges.py::test_microbatches_refuse_an_argument_that_is_not_a_batch",
-        "core/test_step_edges.py::test_the_recompile_warning_points_at_the_users_call",
-        "core/test_step_options.py::test_a_wrong_option_type_is_refused_as_a_user_runs_it",
-        "core/test_step_options.py::test_step_count_of_a_consumed_state_raises_stale[adam]",
-        "core/test_step_scan.py::test_scan_carries_state_in_place",
-        "core/test_step_scan.py::test_scan_under_filter_vmap_trains_an_ensemble",
-        "core/test_transform_matrix.py::test_cell[CausalSelfAttention-checkpoint+grad-value]",
-        "core/test_transform_matrix.py::test_cell[CausalSelfAttention-checkpoint-ref]",
-        "core/test_transform_matrix.py::test_cell[Record-jit-value]",
-        "core/test_transform_matrix.py::test_cell[metrics.ConfusionMatrix-vmap (ensemble)-ref]",
-        "core/test_vmap.py::test_a_metric_under_nested_es_vmaps_sums_every_axis_or_is_refused",
-        "core/test_vmap.py::test_nested_dropout_must_name_every_axis",
-        "core/test_vmap.py::test_nested_record_dead_fraction_with_a_tuple_axis_equals_numpy",
-        "core/test_vmap.py::test_per_example_in_make_step[ref]",
-        "examples/test_docs.py::test_code_blocks_run[scaling.md]",
-        "io/test_checkpoint_integrity.py::test_arbitrary_json_headers",
-        "io/test_torch_conversions.py::test_ema_trained_in_eqx_state_equals_averaged_model",
-        "io/test_torch_conversions.py::test_spectral_norm_discriminator_matches_torch[parametrizations-value]",
-        "io/test_torch_conversions.py::test_zero_debias_ema_exports_the_debiased_average",
-        "metrics/test_histogram.py::test_float32_values_bin_as_numpy[value]",
-        "metrics/test_histogram.py::test_integer_and_bool_values_bin_as_numpy[value]",
-        "metrics/test_histogram.py::test_numpys_index_correction_branch_bins_as_numpy[value]",
-        "metrics/test_metric_api.py::test_user_metrics_reduce_under_vmap[Perplexity]",
-        "metrics/test_metrics.py::test_accuracy_matches_sklearn[ref]",
-        "metrics/test_metrics.py::test_binary_precision_recall_f1_match_sklearn[ref]",
-        "metrics/test_metrics.py::test_mean_std_matches_numpy[ref]",
-        "metrics/test_metrics.py::test_metrics_inside_make_step[value]",
-        "metrics/test_metrics.py::test_metrics_update_under_inference_mode",
-        "metrics/test_metrics.py::test_out_of_range_labels_are_dropped",
-        "metrics/test_metrics.py::test_precision_recall_f1_match_sklearn[None-ref]",
-        "metrics/test_metrics.py::test_precision_recall_f1_match_sklearn[micro-value]",
-        "metrics/test_metrics.py::test_train_eval_metrics_example",
-        "metrics/test_metrics_dtypes_presence.py::test_a_class_seen_only_with_weight_zero_counts_in_the_macro_average[value]",
-        "metrics/test_metrics_dtypes_presence.py::test_integer_dtypes_count_whole_numbers_exactly[ref]",
-        "metrics/test_metrics_dtypes_presence.py::test_random_zero_weights_mask_and_padding_match_sklearn[0-ref]",
-        "metrics/test_metrics_ignore_logits.py::test_ignore_index_multiclass[255-ref]",
-        "metrics/test_metrics_options.py::test_binary_threshold_matches_torchmetrics[ref]",
-        "metrics/test_metrics_options.py::test_multilabel_matches_sklearn_and_torchmetrics[value]",
-        "metrics/test_metrics_properties.py::test_batch_by_batch_in_place_equals_one_pass[Precision]",
-        "metrics/test_metrics_properties.py::test_merge_is_associative_for_collections",
-        "nn/test_batch_norm.py::test_all_masked_channel_gives_nan_like_flax_with_finite_gradients[ref]",
-        "nn/test_batch_norm.py::test_axis_name_variance_is_exact_far_from_zero[255.0-ref]",
-        "nn/test_batch_norm.py::test_axis_name_with_spatial_axes_matches_whole_batch_and_torch",
-        "nn/test_batch_norm.py::test_flax_multi_call_case",
-        "nn/test_batch_norm.py::test_mask_under_axis_name_equals_torch_on_the_unpadded_batch[ref]",
-        "nn/test_batch_norm.py::test_momentum_alone_is_not_equinox_batch_mode",
-        "nn/test_batch_norm.py::test_zero_debias_matches_equinox_batch_mode[True-ref]",
-        "nn/test_ema.py::test_complex_parameters_are_refused_by_a_real_average[ref]",
-        "nn/test_ema.py::test_haiku_zero_decay",
-        "nn/test_kv_cache.py::test_a_second_chunk_in_one_differentiated_call_is_refused",
-        "nn/test_kv_cache.py::test_an_overflowing_write_with_policy_nan_keeps_the_positions_before_it[False]",
-        "nn/test_kv_cache.py::test_an_overflowing_write_with_policy_nan_keeps_the_positions_before_it[True]",
-        "nn/test_kv_cache.py::test_greedy_decode_in_scan_matches_uncached[ref]",
-        "nn/test_kv_cache.py::test_reset_after_poisoning_equals_uncached[overflow-KVCache.reset-value]",
-        "nn/test_layer_docstrings.py::test_docstring_example_runs[CausalSelfAttention[0]]",
-        "nn/test_layer_docstrings.py::test_docstring_example_runs[kv_cache_axes[0]]",
-        "nn/test_layer_kinds.py::test_resetting_batch_stats_leaves_every_other_state_alone[value]",
-        "nn/test_record.py::test_capture_with_axis_name_gathers_the_examples",
-        "nn/test_record.py::test_filter_jit_apply_equals_make_apply",
-        "nn/test_record.py::test_make_step_statistics_equal_numpy_over_the_activations[value]",
-        "nn/test_record.py::test_scan_over_layers_records_each_layer[value]",
-        "nn/test_record.py::test_step_scan_records_every_step[ref]",
-        "nn/test_record.py::test_step_scan_records_every_step[value]",
-        "nn/test_running_norm.py::test_errors",
-        "nn/test_running_norm.py::test_per_example_es_vmap_with_axis_name_equals_batched_call[ref]",
-        "nn/test_spectral_norm.py::test_conv_transpose_matches_torch_grouped_too[1-value]",
-        "nn/test_spectral_norm.py::test_matches_torch[1-conv-ref]",
-    )
-)
+# Cases of the default run that run with the slow ones (`pytest -m slow`, also in CI)
+# so that the default run stays short: tests/long_cases.txt lists them, with how they
+# were picked (the longest cases, by hand; and, by rule, the long cases of
+# parametrised tests beyond each test's fastest one).
+def _read_long_cases() -> frozenset[str]:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "long_cases.txt")
+    with open(path, encoding="utf-8") as f:
+        lines = (line.split("  #")[0].strip() for line in f)
+        return frozenset("tests/" + i for i in lines if i and not i.startswith("#"))
+
+
+_LONG_CASES = _read_long_cases()
 
 
 def _mark_long_cases(config, items) -> None:
@@ -276,7 +193,7 @@ def _mark_long_cases(config, items) -> None:
     stale = sorted(i for i in _LONG_CASES - seen if i.split("::")[0] in files)
     if stale:
         raise pytest.UsageError(
-            "tests/conftest.py `_LONG_CASES` names cases that are not collected "
+            "tests/long_cases.txt names cases that are not collected "
             f"(renamed or removed?): {', '.join(stale)}"
         )
 
