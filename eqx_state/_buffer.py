@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import operator
 import re
+import weakref
 from collections.abc import Hashable, Iterator
 from typing import Any, no_type_check
 
@@ -305,6 +306,51 @@ _PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
 )
 
 
+# Where `es.to_refs` made a ref-mode cell's ref: the cell's path in the model it
+# converted, by the ref (a mutable object: its identity names it; the entry goes
+# with the ref). Outside a step or an apply (an eager call of a ref-mode model)
+# errors name a cell by it.
+_ORIGINS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _forget_origin(key: int, dead: weakref.ref) -> None:
+    entry = _ORIGINS.get(key)
+    if entry is not None and entry[0] is dead:
+        del _ORIGINS[key]
+
+
+def new_cell_ref(
+    value: Any, *, kind: Any, path: str | None = None, like: Any = None
+) -> Any:
+    """A ref-mode cell's new ref holding `value`: made eagerly by `es.to_refs`
+    (`path`: the cell's path in the model it converts) or by a load into a
+    ref-mode model (`like`: the ref it replaces, whose path the new one keeps).
+    Errors about the cell name that path outside a step or an apply too."""
+    ref = jax.new_ref(value, kind=kind)
+    if path is None and like is not None:
+        path = origin_path(like)
+    if path is not None and not isinstance(ref, Tracer):
+        key = id(ref)
+        _ORIGINS[key] = (weakref.ref(ref, lambda w: _forget_origin(key, w)), path)
+    return ref
+
+
+def origin_path(ref: Any) -> str | None:
+    """The path `new_cell_ref` recorded for `ref`, or None."""
+    entry = _ORIGINS.get(id(ref))
+    return entry[1] if entry is not None and entry[0]() is ref else None
+
+
+def cell_path(value: Any) -> str | None:
+    """How errors name the cell holding `value`: inside a step or an apply, its
+    path in the call's model ("`model.blocks[0].bn.running_mean` (value mode)");
+    elsewhere, for a ref `es.to_refs` made, its path in the model it converted."""
+    path = (_PATHS.get() or {}).get(id(value))
+    if path is None and (origin := origin_path(value)) is not None:
+        path = f"`{origin}` (ref mode, as `es.to_refs` named it)"
+    return path
+
+
 @contextlib.contextmanager
 def named_cells(paths: dict[int, str]) -> Iterator[None]:
     """Within the block, errors about the cells whose refs are in `paths` (by `id`)
@@ -365,7 +411,7 @@ def describe(buf: Buffer) -> str:
     """How errors name a cell: its kind, shape and, inside a step or an apply, its
     path in the model (`model.blocks[0].bn.running_mean`)."""
     shape = tuple(getattr(buf.value, "shape", ()))
-    path = (_PATHS.get() or {}).get(id(buf.value))
+    path = cell_path(buf.value)
     where = f" at {path}" if path else ""
     return f"{type(buf).__name__} cell{where} (shape {shape})"
 

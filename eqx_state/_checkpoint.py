@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import check_live, is_state
+from ._buffer import check_live, is_state, new_cell_ref
 from ._compat import (
     Tracer,
     is_concrete_ref,
@@ -1281,7 +1281,9 @@ def _build(
     elif entry.weak:
         value = _make_weak(value)
     if isinstance(leaf, jax.Ref):
-        value = jax.new_ref(value, kind=getattr(jax.typeof(leaf), "kind", None))
+        value = new_cell_ref(
+            value, kind=getattr(jax.typeof(leaf), "kind", None), like=leaf
+        )
     return value
 
 

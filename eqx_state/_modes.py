@@ -28,6 +28,7 @@ from ._buffer import (
     check_live,
     describe,
     is_state,
+    new_cell_ref,
 )
 from ._compat import REF_TYPES, Tracer, ref_identity
 from ._errors import StateError, StateTypeError
@@ -481,7 +482,9 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
             and not isinstance(v, Tracer)
         ):
             v = jax.device_put(v, sharding)
-        return _rebuild(buf, value=jax.new_ref(v, kind=REF_KIND), witness=_witness(v))
+        # (a cell converted alone has no path to name: `model` is itself)
+        ref = new_cell_ref(v, kind=REF_KIND, path=path if path != "model" else None)
+        return _rebuild(buf, value=ref, witness=_witness(v))
 
     return _map_cells_with_path(one, model, model=True)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._buffer import new_cell_ref
 from ._checkpoint import (
     CheckpointError,
     _check_refs_unshared,
@@ -298,7 +299,9 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         # `es.load` follows too
         return _numpy_leaf(np.asarray(got), like)
     if isinstance(like, jax.Ref):
-        return jax.new_ref(got, kind=getattr(jax.typeof(like), "kind", None))
+        return new_cell_ref(
+            got, kind=getattr(jax.typeof(like), "kind", None), like=like
+        )
     if isinstance(like, jax.Array) and not isinstance(like, Tracer):
         if like.is_deleted():
             return got

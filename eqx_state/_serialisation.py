@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._buffer import new_cell_ref
 from ._checkpoint import (
     CheckpointError,
     _is_key_dtype,
@@ -163,7 +164,7 @@ def deserialise_filter_spec(f: Any, x: Any) -> Any:
                 "convert the file's leaf and save it again)."
             )
         _after_ref(f, x)
-        return jax.new_ref(value, kind=getattr(jax.typeof(x), "kind", None))
+        return new_cell_ref(value, kind=getattr(jax.typeof(x), "kind", None), like=x)
     return _read_leaf(f, x)
 
 

@@ -119,6 +119,62 @@ def test_wrong_shape_or_dtype_write():
     np.testing.assert_array_equal(cell[...], [1.0, 5.0, 1.0])
 
 
+class _Writer(eqx.Module):
+    buf: es.Buffer
+
+    def __call__(self, x):
+        self.buf[...] = x
+
+
+class _Deep(eqx.Module):
+    blocks: list
+
+
+def test_an_eager_ref_mode_error_names_the_cells_path(tmp_path):
+    """Outside a step or an apply (an eager call of a ref-mode model) an error
+    about a cell names the cell's path in the model `es.to_refs` converted, as
+    errors inside a step name it; a ref-mode model loaded from a checkpoint keeps
+    the names, a model converted again gets its own, and the names go with the
+    refs."""
+    import gc
+
+    from eqx_state import _buffer
+
+    def deep():
+        return _Deep([_Writer(es.Buffer(jnp.zeros(3))) for _ in range(2)])
+
+    model = es.to_refs(deep())
+    named = r"Buffer cell at `model\.blocks\[1\]\.buf` \(ref mode, as `es\.to_refs`"
+    with pytest.raises(es.StateWriteError, match=named + r".*\(shape \(3,\)\)"):
+        model.blocks[1](jnp.ones(4))
+    np.testing.assert_array_equal(model.blocks[1].buf[...], np.zeros(3))
+    # inside a step, the step's own name wins (the same path, named by the call)
+    with pytest.raises(es.StateWriteError, match=r"at `model\.blocks\[1\]\.buf` \(ref"):
+        es.apply(lambda m, x: m.blocks[1](x), model, jnp.ones(4))
+    # a checkpoint loaded into the ref-mode model: new refs, the same names
+    es.save(tmp_path / "m.eqx", model)
+    loaded = es.load(tmp_path / "m.eqx", model)
+    assert loaded.blocks[1].buf.value is not model.blocks[1].buf.value
+    with pytest.raises(es.StateWriteError, match=named):
+        loaded.blocks[1](jnp.ones(4))
+    # converted again as part of another model: named as there
+    outer = es.to_refs({"head": es.freeze(model).blocks[0]})
+    with pytest.raises(es.StateWriteError, match=r"at `model\['head'\]\.buf`"):
+        outer["head"](jnp.ones(4))
+    # a cell converted alone names no path (it is the whole model)
+    cell = es.to_refs(es.Buffer(jnp.zeros(3)))
+    with pytest.raises(es.StateWriteError, match=r"into the Buffer cell \(shape"):
+        cell[...] = jnp.zeros(4)
+    # the names go with their refs
+    del model, loaded, outer, cell
+    gc.collect()
+    before = len(_buffer._ORIGINS)
+    for _ in range(20):
+        es.to_refs(deep())
+    gc.collect()
+    assert len(_buffer._ORIGINS) == before
+
+
 # Indices a cell takes, and what NumPy does with them on a (3, 4) array: the
 # reference for a cell's indexing (JAX's arrays clamp an out-of-range read and drop
 # such a write; a ref lands it in another slot).
