@@ -306,10 +306,11 @@ _PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
 )
 
 
-# Where `es.to_refs` made a ref-mode cell's ref: the cell's path in the model it
-# converted, by the ref (a mutable object: its identity names it; the entry goes
-# with the ref). Outside a step or an apply (an eager call of a ref-mode model)
-# errors name a cell by it.
+# Where a ref-mode cell was when `es.to_refs` last converted a model holding it:
+# its path in that model, by the cell's ref (a mutable object: its identity names
+# it; the entry goes with the ref). Outside a step or an apply (an eager call of a
+# ref-mode model) errors name a cell by it, as its path *then*: a model rebuilt
+# after (layers swapped, embedded in another) is not seen.
 _ORIGINS: dict[int, tuple[weakref.ref, str]] = {}
 
 
@@ -319,24 +320,29 @@ def _forget_origin(key: int, dead: weakref.ref) -> None:
         del _ORIGINS[key]
 
 
+def remember_path(ref: Any, path: str | None) -> None:
+    """Record `path` as where `ref`'s cell is (`es.to_refs`); nothing for a ref
+    inside a trace, or without a path."""
+    if path is None or isinstance(ref, Tracer) or not _is_ref(ref):
+        return
+    key = id(ref)
+    _ORIGINS[key] = (weakref.ref(ref, lambda w: _forget_origin(key, w)), path)
+
+
 def new_cell_ref(
     value: Any, *, kind: Any, path: str | None = None, like: Any = None
 ) -> Any:
     """A ref-mode cell's new ref holding `value`: made eagerly by `es.to_refs`
     (`path`: the cell's path in the model it converts) or by a load into a
-    ref-mode model (`like`: the ref it replaces, whose path the new one keeps).
-    Errors about the cell name that path outside a step or an apply too."""
+    ref-mode model (`like`: the ref it replaces, whose recorded path the new one
+    keeps)."""
     ref = jax.new_ref(value, kind=kind)
-    if path is None and like is not None:
-        path = origin_path(like)
-    if path is not None and not isinstance(ref, Tracer):
-        key = id(ref)
-        _ORIGINS[key] = (weakref.ref(ref, lambda w: _forget_origin(key, w)), path)
+    remember_path(ref, path if path is not None or like is None else origin_path(like))
     return ref
 
 
 def origin_path(ref: Any) -> str | None:
-    """The path `new_cell_ref` recorded for `ref`, or None."""
+    """The path recorded for `ref` (`remember_path`), or None."""
     entry = _ORIGINS.get(id(ref))
     return entry[1] if entry is not None and entry[0]() is ref else None
 
@@ -344,10 +350,11 @@ def origin_path(ref: Any) -> str | None:
 def cell_path(value: Any) -> str | None:
     """How errors name the cell holding `value`: inside a step or an apply, its
     path in the call's model ("`model.blocks[0].bn.running_mean` (value mode)");
-    elsewhere, for a ref `es.to_refs` made, its path in the model it converted."""
+    elsewhere, for a ref-mode cell, its path when `es.to_refs` last converted a
+    model holding it (`remember_path`)."""
     path = (_PATHS.get() or {}).get(id(value))
     if path is None and (origin := origin_path(value)) is not None:
-        path = f"`{origin}` (ref mode, as `es.to_refs` named it)"
+        path = f"`{origin}` (ref mode; its path when `es.to_refs` last converted its model)"
     return path
 
 

@@ -29,6 +29,7 @@ from ._buffer import (
     describe,
     is_state,
     new_cell_ref,
+    remember_path,
 )
 from ._compat import REF_TYPES, Tracer, ref_identity
 from ._errors import StateError, StateTypeError
@@ -474,7 +475,11 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
 
     def one(path: str, buf: Buffer) -> Buffer:
         v = buf.value
+        # how errors name the cell outside a step (a cell converted alone has no
+        # path to name: `model` is itself)
+        where = path if path != "model" else None
         if _is_ref(v):
+            remember_path(v, where)  # kept: now at this path
             return buf
         if (
             sharding is not None
@@ -482,8 +487,7 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
             and not isinstance(v, Tracer)
         ):
             v = jax.device_put(v, sharding)
-        # (a cell converted alone has no path to name: `model` is itself)
-        ref = new_cell_ref(v, kind=REF_KIND, path=path if path != "model" else None)
+        ref = new_cell_ref(v, kind=REF_KIND, path=where)
         return _rebuild(buf, value=ref, witness=_witness(v))
 
     return _map_cells_with_path(one, model, model=True)

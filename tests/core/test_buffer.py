@@ -132,10 +132,10 @@ class _Deep(eqx.Module):
 
 def test_an_eager_ref_mode_error_names_the_cells_path(tmp_path):
     """Outside a step or an apply (an eager call of a ref-mode model) an error
-    about a cell names the cell's path in the model `es.to_refs` converted, as
-    errors inside a step name it; a ref-mode model loaded from a checkpoint keeps
-    the names, a model converted again gets its own, and the names go with the
-    refs."""
+    about a cell names the cell's path when `es.to_refs` last converted a model
+    holding it, as errors inside a step name it; a ref-mode model loaded from a
+    checkpoint keeps the names, a model converted again (in value or ref mode)
+    renames them, and the names go with the refs."""
     import gc
 
     from eqx_state import _buffer
@@ -144,7 +144,7 @@ def test_an_eager_ref_mode_error_names_the_cells_path(tmp_path):
         return _Deep([_Writer(es.Buffer(jnp.zeros(3))) for _ in range(2)])
 
     model = es.to_refs(deep())
-    named = r"Buffer cell at `model\.blocks\[1\]\.buf` \(ref mode, as `es\.to_refs`"
+    named = r"Buffer cell at `model\.blocks\[1\]\.buf` \(ref mode; its path when `es\.to_refs` last"
     with pytest.raises(es.StateWriteError, match=named + r".*\(shape \(3,\)\)"):
         model.blocks[1](jnp.ones(4))
     np.testing.assert_array_equal(model.blocks[1].buf[...], np.zeros(3))
@@ -157,10 +157,15 @@ def test_an_eager_ref_mode_error_names_the_cells_path(tmp_path):
     assert loaded.blocks[1].buf.value is not model.blocks[1].buf.value
     with pytest.raises(es.StateWriteError, match=named):
         loaded.blocks[1](jnp.ones(4))
-    # converted again as part of another model: named as there
+    # converted again as part of another model, in value mode or still in ref
+    # mode (its refs kept): named as there
     outer = es.to_refs({"head": es.freeze(model).blocks[0]})
     with pytest.raises(es.StateWriteError, match=r"at `model\['head'\]\.buf`"):
         outer["head"](jnp.ones(4))
+    again = es.to_refs({"head": model.blocks[0]})
+    assert again["head"].buf.value is model.blocks[0].buf.value
+    with pytest.raises(es.StateWriteError, match=r"at `model\['head'\]\.buf`"):
+        again["head"](jnp.ones(4))
     # a cell converted alone names no path (it is the whole model)
     cell = es.to_refs(es.Buffer(jnp.zeros(3)))
     with pytest.raises(es.StateWriteError, match=r"into the Buffer cell \(shape"):
