@@ -415,8 +415,9 @@ def _name_the_layer(e: EqxStateError) -> None:
 
 
 def describe(buf: Buffer) -> str:
-    """How errors name a cell: its kind, shape and, inside a step or an apply, its
-    path in the model (`model.blocks[0].bn.running_mean`)."""
+    """How errors name a cell: its kind, shape and, where known (`cell_path`: inside
+    a step or an apply, or a ref-mode cell `es.to_refs` recorded), its path in the
+    model (`model.blocks[0].bn.running_mean`)."""
     shape = tuple(getattr(buf.value, "shape", ()))
     path = cell_path(buf.value)
     where = f" at {path}" if path else ""
