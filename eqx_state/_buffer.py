@@ -1053,6 +1053,11 @@ def is_state(x: Any) -> bool:
     return isinstance(x, Buffer)
 
 
+def cells_of(tree: Any) -> list[Any]:
+    """The state cells of `tree`, in its leaves' order."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
 def is_array_or_ref(x: Any) -> bool:
     """`eqx.is_array`, with state refs counted as arrays: the filter to partition a
     model whose cells may hold refs (inside [`eqx_state.make_step`][] /

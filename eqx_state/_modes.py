@@ -25,10 +25,12 @@ from ._buffer import (
     Buffer,
     _is_ref,
     _LayerBase,
+    cells_of,
     check_live,
     describe,
     is_state,
     new_cell_ref,
+    origin_path,
     remember_path,
 )
 from ._compat import REF_TYPES, Tracer, ref_identity
@@ -463,9 +465,18 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
     ```
     """
 
+    return refs_in(model, sharding=sharding)
+
+
+def refs_in(model: Any, *, sharding: Any = None, like: Any = None) -> Any:
+    """`es.to_refs`. With `like`, a ref-mode tree of `model`'s structure that
+    `model` was loaded into (the state-dict loader), each new ref is named by the
+    path recorded for the ref at its place in `like` (`_buffer.origin_path`), and a
+    kept ref keeps its name: a load names cells as the model it replaces did."""
     # a consumed model (donated to a step) would come back holding dead parameters
     # beside live refs (in ref mode, the refs of the model the step returned)
     check_tree_live(model)
+    olds = None if like is None else iter(cells_of(like))
     if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
         raise StateTypeError(
             "es.to_refs: sharding must be a `jax.sharding.Sharding` (e.g. "
@@ -477,9 +488,14 @@ def to_refs(model: Any, *, sharding: Any = None) -> Any:
         v = buf.value
         # how errors name the cell outside a step (a cell converted alone has no
         # path to name: `model` is itself)
-        where = path if path != "model" else None
+        if olds is None:
+            where = path if path != "model" else None
+        else:
+            was = next(olds).value
+            where = origin_path(was) if _is_ref(was) else None
         if _is_ref(v):
-            remember_path(v, where)  # kept: now at this path
+            if olds is None:
+                remember_path(v, where)  # kept: now at this path
             return buf
         if (
             sharding is not None

@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._buffer import _is_param, _is_ref, is_state, named_cells, unbatched_message
+from ._buffer import (
+    _is_param,
+    _is_ref,
+    cells_of,
+    is_state,
+    named_cells,
+    unbatched_message,
+)
 from ._compat import Tracer, is_ref_in_filtered_transform, is_unmapped_ref_write
 from ._errors import (
     FILTERED_TRANSFORM_MESSAGE,
@@ -146,7 +153,7 @@ def refuse_cells_out(out: Any, thawed: Any, what: str) -> None:
     alike (eager `es.apply` would return it live, a compiled call runs it as a
     value-mode cell), so every runner and both modes give one answer. One check
     for every runner."""
-    ours = [c.value for c in _cells(thawed)]
+    ours = [c.value for c in cells_of(thawed)]
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if _is_ref(leaf) and any(leaf is r for r in ours):
             raise StepError(
@@ -191,10 +198,6 @@ def _cond_note() -> Iterator[None]:
         if is_ref_in_filtered_transform(e):
             raise StepError(FILTERED_TRANSFORM_MESSAGE) from e
         raise
-
-
-def _cells(tree: Any) -> list[Any]:
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
 
 
 class _Unselected:

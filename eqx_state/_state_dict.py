@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._buffer import Buffer, RecordState, RngState, check_live, is_state
+from ._buffer import Buffer, RecordState, RngState, cells_of, check_live, is_state
 from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
 from ._compat import Tracer
 from ._errors import (
@@ -24,7 +24,7 @@ from ._errors import (
     check_bool,
     stale_message,
 )
-from ._modes import to_refs
+from ._modes import refs_in
 from ._torch_names import (
     _SKIPPED,
     _Converter,
@@ -502,7 +502,7 @@ class _Loader:
             new = old
         new_cell = eqx.tree_at(lambda c: c.value, cell, new)
         # ref mode: a new ref, so the model passed in is left as it was
-        return to_refs(new_cell) if ref_mode else new_cell
+        return refs_in(new_cell, like=cell) if ref_mode else new_cell
 
     def converted(self, name: str, module: Any, conv: _Converter) -> Any:
         _check_module(module, name)
@@ -554,7 +554,7 @@ class _Loader:
         old, old_treedef = jax.tree_util.tree_flatten(module, is_leaf=is_state)
         if treedef == old_treedef:  # each array where the one it replaces was
             out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
-        return to_refs(out) if _has_refs(module) else out
+        return refs_in(out, like=module) if _has_refs(module) else out
 
 
 def _check_converted(name: str, module: Any, out: Any) -> None:
@@ -594,12 +594,8 @@ def _check_converted(name: str, module: Any, out: Any) -> None:
             )
 
 
-def _cells(tree: Any) -> list[Buffer]:
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
-
-
 def _has_refs(tree: Any) -> bool:
-    return any(isinstance(c.value, jax.Ref) for c in _cells(tree))
+    return any(isinstance(c.value, jax.Ref) for c in cells_of(tree))
 
 
 def _fresh_refs(tree: Any) -> Any:
@@ -607,7 +603,7 @@ def _fresh_refs(tree: Any) -> Any:
 
     def one(x: Any) -> Any:
         if is_state(x) and isinstance(x.value, jax.Ref):
-            return to_refs(eqx.tree_at(lambda c: c.value, x, x[...]))
+            return refs_in(eqx.tree_at(lambda c: c.value, x, x[...]), like=x)
         return x
 
     return jax.tree_util.tree_map(one, tree, is_leaf=is_state)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._buffer import RecordState, _is_ref, _LayerBase, host_value, is_state
+from .._buffer import RecordState, _is_ref, _LayerBase, cells_of, host_value, is_state
 from .._errors import (
     StateTypeError,
     StateValueError,
@@ -73,10 +73,6 @@ def _as_metric(metric: Metric, rules: Rules, *, read: bool = False) -> Metric:
             c = _rekind(c, Statistic, merge=next(rule), **extra)
         out.append(c)
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _cells(tree: Any) -> list[Any]:
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
 
 
 def _not_writable(recorder: str) -> StateWriteError:
@@ -387,7 +383,7 @@ class Record(Recorder):
         self.axis_name = axis_name
         self.batch_axis = None if batch_axis is None else tuple(map(int, batch_axis))
         self.dtype = jnp.dtype(dtype)
-        self.shapes = tuple(tuple(c.shape) for c in _cells(self.metrics))
+        self.shapes = tuple(tuple(c.shape) for c in cells_of(self.metrics))
 
     def __call__(self, x: Any, *, mask: Any = None, key: Any = None) -> Any:
         """Record `x` and return it unchanged (in inference mode, only return it).
@@ -410,7 +406,7 @@ class Record(Recorder):
         if inference_flag(self):
             return x
         refuse_non_array(f"Record({', '.join(map(repr, self.names))})", x, numbers=True)
-        cells = _cells(self.metrics)
+        cells = cells_of(self.metrics)
         if not all(_is_ref(c.value) for c in cells):
             raise _not_writable(f"Record{self.names}")
         where = f"Record({', '.join(map(repr, self.names))})"
@@ -514,7 +510,7 @@ class Record(Recorder):
         return out
 
     def _stack_shape(self) -> tuple[int, ...]:
-        cells = _cells(self.metrics)
+        cells = cells_of(self.metrics)
         actual, declared = tuple(cells[0].value.shape), self.shapes[0]
         return actual[: len(actual) - len(declared)]
 

@@ -253,6 +253,40 @@ def test_ref_mode_load_gives_recordings_new_refs_too():
     assert int(old.cap.count[...]) == 0
 
 
+def test_ref_mode_load_keeps_the_cells_names():
+    """A ref-mode model loaded from a state dict names its cells in eager errors
+    as the model it replaces did (as after `es.load`): its new refs had no name,
+    and a converted layer's (SpectralNorm's `u`, `v`) were named by their path
+    inside the layer (`model.u`)."""
+    tm = torch.nn.Module()
+    tm.fc, tm.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+    tm.sn = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 3))
+    old = es.to_refs(
+        {
+            "fc": es.nn.Batched(eqx.nn.Linear(4, 3, key=jax.random.key(0))),
+            "bn": es.nn.BatchNorm(3),
+            "cap": es.nn.Capture((2, 3)),  # in no state dict: a fresh ref
+            "sn": es.nn.SpectralNorm(
+                eqx.nn.Linear(4, 3, key=jax.random.key(1)), key=jax.random.key(2)
+            ),
+        }
+    )
+    new = es.load_state_dict(old, tm.state_dict())
+    for path, cell in [
+        ("model['bn'].running_mean", new["bn"].running_mean),
+        ("model['bn'].num_batches_tracked", new["bn"].num_batches_tracked),
+        ("model['cap'].count", new["cap"].count),
+        ("model['sn'].u", new["sn"].u),
+    ]:
+        before = np.asarray(cell[...])
+        with pytest.raises(
+            es.StateWriteError, match=re.escape(f"cell at `{path}` (ref")
+        ):
+            cell[...] = jnp.zeros((7,), jnp.float32)
+        np.testing.assert_array_equal(cell[...], before)
+    np.testing.assert_array_equal(new["sn"].u[...], tm.sn.parametrizations.weight[0]._u)
+
+
 @pytest.mark.parametrize("kind", ["torch", "numpy", "jax"])
 def test_accepts_torch_numpy_and_jax_values(kind):
     t_sd = TorchNet().state_dict()
