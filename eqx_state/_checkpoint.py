@@ -36,6 +36,7 @@ from ._buffer import check_live, is_state, new_cell_ref
 from ._compat import (
     Tracer,
     is_concrete_ref,
+    put_as,
     ref_is_consumed,
     ref_value_copy,
     under_trace,
@@ -1248,12 +1249,15 @@ def saved_with_x64(held: Any) -> str:
     )
 
 
-def _placement(leaf: Any) -> Any:
-    """Where a restored JAX array goes: `like`'s sharding when it has one."""
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.Array) and (isinstance(leaf, Tracer) or leaf.is_deleted()):
-        return None
-    return sharding
+def _put(arr: np.ndarray, leaf: Any) -> jax.Array:
+    """A restored JAX array, a new buffer: where `like`'s live array is, committed
+    as it is (`put_as`); else on `like`'s sharding when it has one (a ref, an
+    abstract leaf)."""
+    if isinstance(leaf, jax.Array):
+        if isinstance(leaf, Tracer) or leaf.is_deleted():
+            return jax.device_put(arr, may_alias=False)
+        return put_as(arr, leaf, may_alias=False)
+    return jax.device_put(arr, getattr(leaf, "sharding", None), may_alias=False)
 
 
 def _build(
@@ -1270,7 +1274,7 @@ def _build(
         return _python_leaf(arr.item(), leaf, where, f"the checkpoint {name}")
     if entry.kind in ("numpy", "numpy_scalar"):
         return _numpy_leaf(arr.copy(), leaf)
-    value = jax.device_put(arr, _placement(leaf), may_alias=False)
+    value = _put(arr, leaf)
     if value.dtype != entry.dtype:  # (`_check_against` refuses it first)
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "

@@ -8,10 +8,11 @@ training step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -269,11 +270,41 @@ def array_copy(x: jax.Array, weak: bool) -> jax.Array | None:
             return jnp.array(x, dtype=x.dtype, copy=True)
     else:
         make = x.copy
-    if x.committed:
+    with placed_as(x):
         return make()  # runs where `x` is
-    (device,) = x.devices()
+
+
+@contextlib.contextmanager
+def placed_as(like: jax.Array) -> Iterator[Any]:
+    """The one rule for new data that replaces the concrete array `like` (a
+    state reset, a load, a copy): placed and committed as `like` is. Yields the
+    `device=` to create it with: `like`'s sharding where `like` is committed;
+    else None, with `like`'s device the default in the block (a fresh model's
+    arrays, and those made under `jax.default_device`, are uncommitted), so that
+    what is made there is uncommitted on it. `jax.jit` compiles again for a
+    committed input: a reset or a load that committed some of a fresh model's
+    arrays cost a step two more compilations (the call that took them, then the
+    next, all of whose inputs the step had committed). Public JAX only."""
+    if like.committed:
+        yield like.sharding
+        return
+    (device,) = like.devices()
     with jax.default_device(device):
-        return make()
+        yield None
+
+
+def put_as(x: Any, like: jax.Array, *, may_alias: bool | None = None) -> jax.Array:
+    """`jax.device_put` of `x` (NumPy or JAX data that replaces the concrete array
+    `like`) placed and committed as `like` is (`placed_as`). A committed JAX
+    array is put where `like` is, committed (public JAX uncommits an array only
+    through the host)."""
+    with placed_as(like) as device:
+        if device is None and isinstance(x, jax.Array):
+            if x.committed:
+                device = like.sharding
+            elif x.devices() != like.devices():  # copied to `like`'s device
+                return jnp.array(x, copy=True)
+        return jax.device_put(x, device, may_alias=may_alias)
 
 
 def any_committed(arrays: Sequence[jax.Array]) -> bool:

@@ -25,7 +25,7 @@ from ._checkpoint import (
     saved_with_x64,
     shown_path,
 )
-from ._compat import Tracer, private_numpy_copy
+from ._compat import Tracer, private_numpy_copy, put_as
 from ._modes import with_witnesses, without_witnesses
 
 
@@ -293,7 +293,12 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         # (a cast to `like`'s dtype is a new array already)
         if exact is host:
             exact = private_numpy_copy(exact)
-        got = jax.device_put(exact, like.sharding) if on_device else jnp.asarray(exact)
+        if not on_device:
+            got = jnp.asarray(exact)
+        elif isinstance(like, jax.Array):  # committed as `like` is
+            got = put_as(exact, like)
+        else:
+            got = jax.device_put(exact, like.sharding)
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too

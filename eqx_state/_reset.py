@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import Buffer, MetricState, is_state
-from ._compat import Tracer
+from ._compat import Tracer, placed_as
 from ._errors import StateTypeError, StateValueError
 from ._modes import check_tree_live, model_path
 
@@ -105,11 +105,12 @@ def reset(model: _T, which: Which = MetricState) -> _T:
         if isinstance(x.value, jax.Array):  # value mode: a fresh array
             # laid out as the cell was (replicated over a mesh that may span
             # processes: a single-device array there could not be saved by Orbax
-            # nor taken by a step)
-            sharding = None
-            if not isinstance(x.value, Tracer):  # live: checked above
-                sharding = x.value.sharding
-            fill = jnp.full(x.shape, x.init, x.dtype, device=sharding)
+            # nor taken by a step), and committed only if it was (`placed_as`)
+            if isinstance(x.value, Tracer):
+                fill = jnp.full(x.shape, x.init, x.dtype)
+            else:  # live: checked above
+                with placed_as(x.value) as device:
+                    fill = jnp.full(x.shape, x.init, x.dtype, device=device)
             replaced.append(path)
             return eqx.tree_at(lambda b: b.value, x, fill)
         x[...] = jnp.full(

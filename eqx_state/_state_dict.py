@@ -16,7 +16,7 @@ import numpy as np
 
 from ._buffer import Buffer, RecordState, RngState, cells_of, check_live, is_state
 from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
-from ._compat import Tracer
+from ._compat import Tracer, put_as
 from ._errors import (
     StaleModelError,
     StateTypeError,
@@ -365,9 +365,9 @@ def _check_count(value: Any, name: str) -> None:
 
 
 def _placed(new: Any, old: Any) -> Any:
-    sharding = getattr(old, "sharding", None)
-    if isinstance(old, jax.Array) and sharding is not None:
-        return jax.device_put(new, sharding)
+    """`new` where the concrete array `old` it replaces is (`placed_as`)."""
+    if isinstance(old, jax.Array) and not isinstance(old, Tracer):
+        return put_as(new, old)
     return new
 
 

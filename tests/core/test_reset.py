@@ -267,3 +267,64 @@ def test_reset_of_a_consumed_model_raises_stale():
     assert float(out.stat[...]) == 0.0 and float(out.mean.weight[...]) == 0.0
     np.testing.assert_allclose(out.w, newer.w)  # parameters untouched
     assert float(newer.stat[...]) == 2.0  # value mode: the input is unchanged
+
+
+class _Net(eqx.Module):
+    fc: es.nn.Batched
+    bn: es.nn.BatchNorm
+    loss: esm.Mean
+
+    def __call__(self, x):
+        return self.bn(self.fc(x))
+
+
+@pytest.mark.parametrize("how", ["es.reset", "es.load", "es.load_state_dict"])
+@pytest.mark.parametrize("committed", [False, True])
+def test_new_state_is_committed_as_the_array_it_replaces(how, committed, tmp_path):
+    """A reset or a load makes each new array placed and committed as the one it
+    replaces (`_compat.put_as`): a fresh model's arrays are uncommitted, and
+    `jax.jit` compiles again for committed inputs, so a reset of the metrics
+    between steps (a training loop's logging) cost the step two more
+    compilations: the call that took the committed cells, then the next, whose
+    inputs that call had all committed. Reference: JAX's own `committed` flags
+    and its compilation events."""
+    from _compiles import count_compiles
+
+    def loss_fn(model, x):
+        y = model(x)
+        model.loss.update(jnp.mean(y**2))
+        return jnp.mean(y**2)
+
+    model = _Net(
+        es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))),
+        es.nn.BatchNorm(4),
+        esm.Mean(),
+    )
+    if committed:
+        device = jax.devices()[0]
+        model = jax.tree.map(
+            lambda a: jax.device_put(a, device) if eqx.is_array(a) else a, model
+        )
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    x = jnp.ones((5, 3))
+    model, opt_state = step(model, opt_state, x)
+    if how == "es.reset":
+        new = es.reset(model, es.MetricState)
+    elif how == "es.load":
+        es.save(tmp_path / "m.eqx", model)
+        new = es.load(tmp_path / "m.eqx", model)
+    else:
+        sd = {k: np.asarray(v) + 1 for k, v in es.state_dict(model).items()}
+        new = es.load_state_dict(model, sd)
+    arrays = [x for x in jax.tree.leaves(new) if isinstance(x, jax.Array)]
+    assert arrays and {a.committed for a in arrays} == {committed}
+    assert {d for a in arrays for d in a.devices()} == {jax.devices()[0]}
+    with count_compiles() as compiles:
+        for _ in range(3):
+            new, opt_state = step(new, opt_state, x)
+    assert compiles == []
+    # the metric's weight: reset to 0, saved as 1, or 1 + 1 in the state dict; then
+    # three steps
+    weight = {"es.reset": 3, "es.load": 4, "es.load_state_dict": 5}[how]
+    np.testing.assert_array_equal(new.loss.weight[...], weight)

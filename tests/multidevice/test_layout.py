@@ -305,3 +305,24 @@ def test_a_ref_on_one_device_beside_a_model_on_the_mesh_names_the_fix(mesh2x2):
     out, _ = es.make_apply(lambda m, x: m(x))(fixed, xs[0])
     want, _ = es.apply(lambda m, x: m(x), Net(jax.random.key(0)), xs[0])
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
+    tmp_path,
+):
+    """A model made under `jax.default_device(d)` holds uncommitted arrays on `d`:
+    a reset and a load give the cells they replace new arrays there, still
+    uncommitted (`_compat.put_as`), outside that block too. Reference: JAX's own
+    placement and flags (a jitted call on the model then runs on the default
+    device, as JAX runs uncommitted inputs)."""
+    device = jax.devices()[1]
+    with jax.default_device(device):
+        model = Net(jax.random.key(0))
+    es.save(tmp_path / "m.eqx", model)
+    for new in [
+        es.reset(model, es.CounterState),
+        es.load(tmp_path / "m.eqx", model),
+        es.load_state_dict(model, es.state_dict(model)),
+    ]:
+        arrays = [a for a in jax.tree.leaves(new) if isinstance(a, jax.Array)]
+        assert {(a.committed, *a.devices()) for a in arrays} == {(False, device)}
