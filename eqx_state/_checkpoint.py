@@ -36,6 +36,7 @@ from ._buffer import check_live, is_state, new_cell_ref
 from ._compat import (
     Tracer,
     is_concrete_ref,
+    placed_as,
     put_as,
     ref_is_consumed,
     ref_value_copy,
@@ -268,7 +269,10 @@ def _make_weak(x: jax.Array) -> jax.Array:
         raise CheckpointError(
             f"JAX cannot rebuild a weakly typed {x.dtype} array with public functions."
         )
-    return jax.lax.full(x.shape, fill).at[...].set(x)
+    if isinstance(x, Tracer):
+        return jax.lax.full(x.shape, fill).at[...].set(x)
+    with placed_as(x):  # computed where `x` is, committed as it is
+        return jax.lax.full(x.shape, fill).at[...].set(x)
 
 
 def _numpy_leaf(value: np.ndarray, like: Any) -> np.ndarray | np.generic:
@@ -1250,14 +1254,10 @@ def saved_with_x64(held: Any) -> str:
 
 
 def _put(arr: np.ndarray, leaf: Any) -> jax.Array:
-    """A restored JAX array, a new buffer: where `like`'s live array is, committed
-    as it is (`put_as`); else on `like`'s sharding when it has one (a ref, an
-    abstract leaf)."""
-    if isinstance(leaf, jax.Array):
-        if isinstance(leaf, Tracer) or leaf.is_deleted():
-            return jax.device_put(arr, may_alias=False)
-        return put_as(arr, leaf, may_alias=False)
-    return jax.device_put(arr, getattr(leaf, "sharding", None), may_alias=False)
+    """A restored JAX array, a new buffer, placed and committed as `like`'s array
+    (or ref) is (`put_as`); where `like` has none, on its sharding if it names one
+    (an abstract leaf), else on the default device (a tracer, a deleted array)."""
+    return put_as(arr, leaf, may_alias=False)
 
 
 def _build(

@@ -293,16 +293,37 @@ def placed_as(like: jax.Array) -> Iterator[Any]:
         yield None
 
 
-def put_as(x: Any, like: jax.Array, *, may_alias: bool | None = None) -> jax.Array:
-    """`jax.device_put` of `x` (NumPy or JAX data that replaces the concrete array
-    `like`) placed and committed as `like` is (`placed_as`). A committed JAX
-    array is put where `like` is, committed (public JAX uncommits an array only
-    through the host)."""
-    with placed_as(like) as device:
+def placement_source(like: Any) -> jax.Array | None:
+    """The concrete array whose placement new data that replaces `like` follows
+    (`put_as`): `like` itself where it is a live array, a concrete ref's array
+    (`ref_buffer`: JAX's eager read would commit it); None for a tracer, a
+    deleted array, an abstract leaf, anything else."""
+    if type(like) is jax.Ref:
+        buf = like._refs._buf
+        return None if buf.is_deleted() else buf
+    if isinstance(like, jax.Array) and not isinstance(like, Tracer):
+        return None if like.is_deleted() else like
+    return None
+
+
+def put_as(x: Any, like: Any, *, may_alias: bool | None = None) -> jax.Array:
+    """`jax.device_put` of `x` (NumPy or JAX data that replaces `like`: a live
+    array or a concrete ref, `placement_source`) placed and committed as `like`'s
+    array is (`placed_as`). A committed JAX array is put where `like` is,
+    committed (public JAX uncommits an array only through the host). Where `like`
+    has no array (a tracer, a deleted array, an abstract leaf): on its sharding
+    if it names one, else on the default device."""
+    src = placement_source(like)
+    if src is None:
+        sharding = getattr(like, "sharding", None)
+        if isinstance(like, Tracer) or not isinstance(sharding, jax.sharding.Sharding):
+            sharding = None
+        return jax.device_put(x, sharding, may_alias=may_alias)
+    with placed_as(src) as device:
         if device is None and isinstance(x, jax.Array):
             if x.committed:
-                device = like.sharding
-            elif x.devices() != like.devices():  # copied to `like`'s device
+                device = src.sharding
+            elif x.devices() != src.devices():  # copied to `src`'s device
                 return jnp.array(x, copy=True)
         return jax.device_put(x, device, may_alias=may_alias)
 

@@ -293,12 +293,7 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         # (a cast to `like`'s dtype is a new array already)
         if exact is host:
             exact = private_numpy_copy(exact)
-        if not on_device:
-            got = jnp.asarray(exact)
-        elif isinstance(like, jax.Array):  # committed as `like` is
-            got = put_as(exact, like)
-        else:
-            got = jax.device_put(exact, like.sharding)
+        got = put_as(exact, like) if on_device else jnp.asarray(exact)
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too

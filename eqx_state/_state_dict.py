@@ -16,7 +16,7 @@ import numpy as np
 
 from ._buffer import Buffer, RecordState, RngState, cells_of, check_live, is_state
 from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
-from ._compat import Tracer, put_as
+from ._compat import Tracer, placement_source, put_as
 from ._errors import (
     StaleModelError,
     StateTypeError,
@@ -365,10 +365,12 @@ def _check_count(value: Any, name: str) -> None:
 
 
 def _placed(new: Any, old: Any) -> Any:
-    """`new` where the concrete array `old` it replaces is (`placed_as`)."""
-    if isinstance(old, jax.Array) and not isinstance(old, Tracer):
-        return put_as(new, old)
-    return new
+    """`new` (an array) placed and committed as the live array or ref `old` it
+    replaces is (`put_as`); as it is where `old` holds no array (an abstract
+    model's leaf)."""
+    if isinstance(new, jax.Ref) or placement_source(old) is None:
+        return new
+    return put_as(new, old)
 
 
 def _desc(leaf: Any) -> str:
@@ -550,9 +552,10 @@ class _Loader:
             )
             raise
         _check_converted(name, module, out)
-        flat, treedef = jax.tree_util.tree_flatten(out, is_leaf=is_state)
-        old, old_treedef = jax.tree_util.tree_flatten(module, is_leaf=is_state)
+        flat, treedef = jax.tree_util.tree_flatten(out)
+        old, old_treedef = jax.tree_util.tree_flatten(module)
         if treedef == old_treedef:  # each array where the one it replaces was
+            # (a cell's too: the conversion's arithmetic ran where JAX chose)
             out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
         return refs_in(out, like=module) if _has_refs(module) else out
 

@@ -273,18 +273,22 @@ class _Net(eqx.Module):
     fc: es.nn.Batched
     bn: es.nn.BatchNorm
     loss: esm.Mean
+    gain: jax.Array
 
     def __call__(self, x):
-        return self.bn(self.fc(x))
+        return self.bn(self.fc(x)) * self.gain
 
 
 @pytest.mark.parametrize("how", ["es.reset", "es.load", "es.load_state_dict"])
 @pytest.mark.parametrize("committed", [False, True])
-def test_new_state_is_committed_as_the_array_it_replaces(how, committed, tmp_path):
-    """A reset or a load makes each new array placed and committed as the one it
-    replaces (`_compat.put_as`): a fresh model's arrays are uncommitted, and
-    `jax.jit` compiles again for committed inputs, so a reset of the metrics
-    between steps (a training loop's logging) cost the step two more
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_new_state_is_committed_as_the_array_it_replaces(
+    mode, how, committed, tmp_path
+):
+    """A reset or a load makes each new array (a ref's too) placed and committed
+    as the one it replaces (`_compat.put_as`): a fresh model's arrays are
+    uncommitted, and `jax.jit` compiles again for committed inputs, so a reset of
+    the metrics between steps (a training loop's logging) cost the step two more
     compilations: the call that took the committed cells, then the next, whose
     inputs that call had all committed. Reference: JAX's own `committed` flags
     and its compilation events."""
@@ -299,16 +303,20 @@ def test_new_state_is_committed_as_the_array_it_replaces(how, committed, tmp_pat
         es.nn.Batched(eqx.nn.Linear(3, 4, key=jax.random.key(0))),
         es.nn.BatchNorm(4),
         esm.Mean(),
+        jnp.asarray(1.5),
     )
     if committed:
         device = jax.devices()[0]
         model = jax.tree.map(
             lambda a: jax.device_put(a, device) if eqx.is_array(a) else a, model
         )
+    if mode == "ref":
+        model = es.to_refs(model)
     step = es.make_step(loss_fn, optax.sgd(0.1))
     opt_state = step.init(model)
     x = jnp.ones((5, 3))
-    model, opt_state = step(model, opt_state, x)
+    for _ in range(2):  # (the first step makes the weak `gain` strong: compiles again)
+        model, opt_state = step(model, opt_state, x)
     if how == "es.reset":
         new = es.reset(model, es.MetricState)
     elif how == "es.load":
@@ -320,11 +328,12 @@ def test_new_state_is_committed_as_the_array_it_replaces(how, committed, tmp_pat
     arrays = [x for x in jax.tree.leaves(new) if isinstance(x, jax.Array)]
     assert arrays and {a.committed for a in arrays} == {committed}
     assert {d for a in arrays for d in a.devices()} == {jax.devices()[0]}
+    assert jax.typeof(new.gain) == jax.typeof(model.gain)
     with count_compiles() as compiles:
         for _ in range(3):
             new, opt_state = step(new, opt_state, x)
     assert compiles == []
-    # the metric's weight: reset to 0, saved as 1, or 1 + 1 in the state dict; then
+    # the metric's weight: reset to 0, saved as 2, or 2 + 1 in the state dict; then
     # three steps
-    weight = {"es.reset": 3, "es.load": 4, "es.load_state_dict": 5}[how]
+    weight = {"es.reset": 3, "es.load": 5, "es.load_state_dict": 6}[how]
     np.testing.assert_array_equal(new.loss.weight[...], weight)

@@ -314,10 +314,15 @@ def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
     a reset and a load give the cells they replace new arrays there, still
     uncommitted (`_compat.put_as`), outside that block too. Reference: JAX's own
     placement and flags (a jitted call on the model then runs on the default
-    device, as JAX runs uncommitted inputs)."""
+    device, as JAX runs uncommitted inputs). With a weakly typed leaf (made weak
+    again after a load) and a converted layer's cells (`EMA`: computed from the
+    PyTorch arrays)."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (run through tests/test_multidevice.py)")
     device = jax.devices()[1]
     with jax.default_device(device):
-        model = Net(jax.random.key(0))
+        net = Net(jax.random.key(0))
+        model = {"net": net, "ema": es.nn.EMA(net.l1, 0.9), "gain": jnp.asarray(0.5)}
     es.save(tmp_path / "m.eqx", model)
     for new in [
         es.reset(model, es.CounterState),
@@ -326,3 +331,4 @@ def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
     ]:
         arrays = [a for a in jax.tree.leaves(new) if isinstance(a, jax.Array)]
         assert {(a.committed, *a.devices()) for a in arrays} == {(False, device)}
+        assert jax.typeof(new["gain"]).weak_type
