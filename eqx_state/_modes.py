@@ -33,7 +33,14 @@ from ._buffer import (
     origin_path,
     remember_path,
 )
-from ._compat import REF_TYPES, Tracer, ref_identity
+from ._compat import (
+    REF_TYPES,
+    Tracer,
+    is_concrete_ref,
+    ref_identity,
+    ref_value_copy,
+    under_trace,
+)
 from ._errors import StateError, StateTypeError
 
 
@@ -574,6 +581,17 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
     return thawed, record, paths
 
 
+def _frozen(ref: Any, eager: bool) -> Any:
+    """`jax.freeze(ref)`; outside a trace (an eager `es.apply`) a copy of the ref's
+    array that keeps it uncommitted where it was (JAX's eager freeze commits it,
+    and a step on the result would compile twice more: see `_compat.placed_as`)."""
+    if eager and is_concrete_ref(ref):
+        copy = ref_value_copy(ref)
+        if copy is not None:
+            return copy
+    return jax.freeze(ref)
+
+
 class Made:
     """A cell whose ref `thaw` made; `witness` is what the cell came with (None in
     value mode)."""
@@ -588,11 +606,14 @@ def refreeze(thawed: Any, record: list[Buffer | Made]) -> Any:
     """Undo `thaw`: freeze exactly the refs it made, giving back value-mode cells,
     and give back ref-mode cells as they came."""
     it = iter(record)
+    eager = not under_trace()
 
     def one(path: str, buf: Buffer) -> Buffer:
         original = next(it)
         if isinstance(original, Made):
-            return _rebuild(buf, value=jax.freeze(buf.value), witness=original.witness)
+            return _rebuild(
+                buf, value=_frozen(buf.value, eager), witness=original.witness
+            )
         return original
 
     out = _map_cells_with_path(one, thawed)

@@ -279,14 +279,18 @@ class _Net(eqx.Module):
         return self.bn(self.fc(x)) * self.gain
 
 
-@pytest.mark.parametrize("how", ["es.reset", "es.load", "es.load_state_dict"])
+@pytest.mark.parametrize(
+    "how", ["es.reset", "es.load", "es.load_state_dict", "eager es.apply"]
+)
 @pytest.mark.parametrize("committed", [False, True])
 @pytest.mark.parametrize("mode", ["value", "ref"])
 def test_new_state_is_committed_as_the_array_it_replaces(
     mode, how, committed, tmp_path
 ):
-    """A reset or a load makes each new array (a ref's too) placed and committed
-    as the one it replaces (`_compat.put_as`): a fresh model's arrays are
+    """A reset, a load or an eager `es.apply` makes each new array (a ref's too)
+    placed and committed as the one it replaces (`_compat.put_as`; `es.apply`
+    froze its refs with JAX's eager `jax.freeze`, which commits): a fresh model's
+    arrays are
     uncommitted, and `jax.jit` compiles again for committed inputs, so a reset of
     the metrics between steps (a training loop's logging) cost the step two more
     compilations: the call that took the committed cells, then the next, whose
@@ -322,9 +326,11 @@ def test_new_state_is_committed_as_the_array_it_replaces(
     elif how == "es.load":
         es.save(tmp_path / "m.eqx", model)
         new = es.load(tmp_path / "m.eqx", model)
-    else:
+    elif how == "es.load_state_dict":
         sd = {k: np.asarray(v) + 1 for k, v in es.state_dict(model).items()}
         new = es.load_state_dict(model, sd)
+    else:  # writes the BatchNorm's statistics
+        _, new = es.apply(lambda m, x: m(x), model, x)
     arrays = [x for x in jax.tree.leaves(new) if isinstance(x, jax.Array)]
     assert arrays and {a.committed for a in arrays} == {committed}
     assert {d for a in arrays for d in a.devices()} == {jax.devices()[0]}
@@ -333,7 +339,7 @@ def test_new_state_is_committed_as_the_array_it_replaces(
         for _ in range(3):
             new, opt_state = step(new, opt_state, x)
     assert compiles == []
-    # the metric's weight: reset to 0, saved as 2, or 2 + 1 in the state dict; then
-    # three steps
-    weight = {"es.reset": 3, "es.load": 5, "es.load_state_dict": 6}[how]
+    # the metric's weight: reset to 0, 2 + 1 in the state dict, else 2; then three
+    # steps
+    weight = {"es.reset": 3, "es.load_state_dict": 6}.get(how, 5)
     np.testing.assert_array_equal(new.loss.weight[...], weight)
