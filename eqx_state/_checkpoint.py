@@ -271,8 +271,14 @@ def _make_weak(x: jax.Array) -> jax.Array:
         )
     if isinstance(x, Tracer):
         return jax.lax.full(x.shape, fill).at[...].set(x)
-    with placed_as(x):  # computed where `x` is, committed as it is
-        return jax.lax.full(x.shape, fill).at[...].set(x)
+    with placed_as(x) as device:  # computed where `x` is, committed as it is
+        # over a mesh of explicit axes, laid out as `x` (JAX needs it said there,
+        # and refuses it over automatic axes)
+        explicit = isinstance(device, jax.sharding.NamedSharding) and all(
+            t == jax.sharding.AxisType.Explicit for t in device.mesh.axis_types
+        )
+        out = device if explicit else None
+        return jax.lax.full(x.shape, fill).at[...].set(x, out_sharding=out)
 
 
 def _numpy_leaf(value: np.ndarray, like: Any) -> np.ndarray | np.generic:
@@ -1255,8 +1261,9 @@ def saved_with_x64(held: Any) -> str:
 
 def _put(arr: np.ndarray, leaf: Any) -> jax.Array:
     """A restored JAX array, a new buffer, placed and committed as `like`'s array
-    (or ref) is (`put_as`); where `like` has none, on its sharding if it names one
-    (an abstract leaf), else on the default device (a tracer, a deleted array)."""
+    (or ref's) is (`put_as`); where `like` has none, on its sharding if it names
+    one (an abstract leaf), else on the default device, uncommitted (a tracer, a
+    deleted array)."""
     return put_as(arr, leaf, may_alias=False)
 
 

@@ -298,9 +298,8 @@ def placement_source(like: Any) -> jax.Array | None:
     (`put_as`): `like` itself where it is a live array, a concrete ref's array
     (`ref_buffer`: JAX's eager read would commit it); None for a tracer, a
     deleted array, an abstract leaf, anything else."""
-    if type(like) is jax.Ref:
-        buf = like._refs._buf
-        return None if buf.is_deleted() else buf
+    if is_concrete_ref(like):
+        return None if ref_is_consumed(like) else ref_buffer(like)
     if isinstance(like, jax.Array) and not isinstance(like, Tracer):
         return None if like.is_deleted() else like
     return None
@@ -311,12 +310,15 @@ def put_as(x: Any, like: Any, *, may_alias: bool | None = None) -> jax.Array:
     array or a concrete ref, `placement_source`) placed and committed as `like`'s
     array is (`placed_as`). A committed JAX array is put where `like` is,
     committed (public JAX uncommits an array only through the host). Where `like`
-    has no array (a tracer, a deleted array, an abstract leaf): on its sharding
-    if it names one, else on the default device."""
+    has no array: an abstract leaf's data goes on the sharding it names, if any;
+    a tracer's, a deleted array's (a model a donating step consumed) or a
+    consumed ref's on the default device, uncommitted."""
     src = placement_source(like)
-    if src is None:
+    if src is None:  # an abstract leaf's sharding; a dead array's would commit
         sharding = getattr(like, "sharding", None)
-        if isinstance(like, Tracer) or not isinstance(sharding, jax.sharding.Sharding):
+        if not isinstance(like, jax.ShapeDtypeStruct) or not isinstance(
+            sharding, jax.sharding.Sharding
+        ):
             sharding = None
         return jax.device_put(x, sharding, may_alias=may_alias)
     with placed_as(src) as device:

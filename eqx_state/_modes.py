@@ -583,8 +583,9 @@ def thaw(model: Any) -> tuple[Any, list[Buffer | Made], dict[int, str]]:
 
 def _frozen(ref: Any, eager: bool) -> Any:
     """`jax.freeze(ref)`; outside a trace (an eager `es.apply`) a copy of the ref's
-    array that keeps it uncommitted where it was (JAX's eager freeze commits it,
-    and a step on the result would compile twice more: see `_compat.placed_as`)."""
+    array, committed only if the array is (JAX's eager freeze commits it, and a
+    step on the result would compile twice more: see `_compat.placed_as`). Under
+    a trace (also an eager `eqx.filter_vmap` around `es.apply`) JAX's freeze."""
     if eager and is_concrete_ref(ref):
         copy = ref_value_copy(ref)
         if copy is not None:

@@ -332,3 +332,22 @@ def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
         arrays = [a for a in jax.tree.leaves(new) if isinstance(a, jax.Array)]
         assert {(a.committed, *a.devices()) for a in arrays} == {(False, device)}
         assert jax.typeof(new["gain"]).weak_type
+
+
+def test_a_weakly_typed_array_sharded_over_an_explicit_mesh_loads(tmp_path):
+    """`es.load` makes a weakly typed leaf weak again where it is: over a mesh of
+    explicit axes JAX's scatter needs the fill sharded as the data (it refused an
+    unsharded fill). Reference: the saved values, shardings and weak types."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (run through tests/test_multidevice.py)")
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    tree = {
+        "w": jax.device_put(jax.lax.full((4,), 2.0), NamedSharding(mesh, P("d"))),
+        "g": jax.device_put(jnp.asarray(1.5), NamedSharding(mesh, P())),
+    }
+    es.save(tmp_path / "m.eqx", tree)
+    loaded = es.load(tmp_path / "m.eqx", tree)
+    for k, v in tree.items():
+        assert jax.typeof(loaded[k]) == jax.typeof(v)  # weak, sharded as saved
+        assert loaded[k].sharding == v.sharding
+        np.testing.assert_array_equal(loaded[k], v)
