@@ -269,9 +269,8 @@ def _make_weak(x: jax.Array) -> jax.Array:
         raise CheckpointError(
             f"JAX cannot rebuild a weakly typed {x.dtype} array with public functions."
         )
-    if isinstance(x, Tracer):
-        return jax.lax.full(x.shape, fill).at[...].set(x)
-    with placed_as(x) as device:  # computed where `x` is, committed as it is
+    where = contextlib.nullcontext() if isinstance(x, Tracer) else placed_as(x)
+    with where as device:  # computed where `x` is, committed as it is
         # over a mesh of explicit axes, laid out as `x` (JAX needs it said there,
         # and refuses it over automatic axes)
         explicit = isinstance(device, jax.sharding.NamedSharding) and all(
@@ -1259,14 +1258,6 @@ def saved_with_x64(held: Any) -> str:
     )
 
 
-def _put(arr: np.ndarray, leaf: Any) -> jax.Array:
-    """A restored JAX array, a new buffer, placed and committed as `like`'s array
-    (or ref's) is (`put_as`); where `like` has none, on its sharding if it names
-    one (an abstract leaf), else on the default device, uncommitted (a tracer, a
-    deleted array)."""
-    return put_as(arr, leaf, may_alias=False)
-
-
 def _build(
     name: str, where: str, entry: _Entry, blob: bytes | bytearray, leaf: Any
 ) -> Any:
@@ -1281,7 +1272,8 @@ def _build(
         return _python_leaf(arr.item(), leaf, where, f"the checkpoint {name}")
     if entry.kind in ("numpy", "numpy_scalar"):
         return _numpy_leaf(arr.copy(), leaf)
-    value = _put(arr, leaf)
+    # a new buffer where `like`'s array (or ref's) is (`put_as`)
+    value = put_as(arr, leaf, may_alias=False)
     if value.dtype != entry.dtype:  # (`_check_against` refuses it first)
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, cast
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import new_cell_ref
@@ -284,16 +283,13 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
         # target, or by a handler that gives NumPy): the JAX array it stands for
         host = np.asarray(got)
         exact = _exact_cast(path, host, like.dtype)
-        # where `like`'s array is (a ref's too: its new ref holds the restored
-        # array where the old one's was, as a target restores it)
-        on_device = isinstance(like, jax.Ref) or not (
-            isinstance(like, Tracer) or like.is_deleted()
-        )
         # `restored` is the caller's: not to be shared with the model's arrays
         # (a cast to `like`'s dtype is a new array already)
         if exact is host:
             exact = private_numpy_copy(exact)
-        got = put_as(exact, like) if on_device else jnp.asarray(exact)
+        # where `like`'s array is (a ref's too: its new ref holds the restored
+        # array where the old one's was, as a target restores it)
+        got = put_as(exact, like)
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too
