@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RecordState, RngState, cells_of, check_live, is_state
-from ._checkpoint import _check_refs_unshared, _make_weak, refuse_tracer
+from ._checkpoint import _check_refs_unshared, _make_weak, _numpy_leaf, refuse_tracer
 from ._compat import Tracer, placement_source, put_as
 from ._errors import (
     StaleModelError,
@@ -290,10 +290,11 @@ def _fits(x: Any, dtype: np.dtype) -> bool:
 
 
 def _checked(
-    value: Any, name: str, want: jax.ShapeDtypeStruct, where: str
-) -> jax.Array:
+    value: Any, name: str, want: jax.ShapeDtypeStruct, where: str, *, numpy=False
+) -> Any:
     """Check a state-dict value against the model's expected (PyTorch-layout) shape
-    and dtype; return it as a new JAX array of the model's dtype."""
+    and dtype; return it as a new JAX array of the model's dtype (`numpy`: a new
+    NumPy array, for a NumPy leaf, whose 64-bit dtype JAX would narrow)."""
     x = _incoming(value, name)
     shape = tuple(want.shape)
     if tuple(x.shape) != shape:
@@ -339,6 +340,8 @@ def _checked(
                 f"model ({where}) holds {dtype.name}. Loading does not change a "
                 f"value's precision or kind silently: {fix}."
             )
+    if numpy:
+        return np.array(x, dtype=dtype)
     return jnp.array(x, dtype=dtype, copy=True)
 
 
@@ -362,6 +365,20 @@ def _check_count(value: Any, name: str) -> None:
             f"number of batches seen, or to 0 to start the count over "
             f"(`sd[{name!r}] = torch.tensor(0)`)."
         )
+
+
+def _loaded(value: Any, name: str, old: Any, where: str) -> jax.Array:
+    """The state-dict entry `value` for the model's array `old` (a parameter's, a
+    cell's, or an abstract leaf): checked against its shape and dtype (a typed
+    PRNG key's against its key data, as `state_dict` writes it), a new JAX array
+    of its type (a key wrapped in its implementation, weakly typed where `old`
+    is), placed as `old` is."""
+    is_key = _is_key_dtype(old.dtype)
+    want = _key_data_shape(old) if is_key else old
+    new = _checked(value, name, jax.ShapeDtypeStruct(want.shape, want.dtype), where)
+    if is_key:
+        new = jax.random.wrap_key_data(new, impl=_key_impl(old))
+    return _placed(_weak_like(new, old), old)
 
 
 def _placed(new: Any, old: Any) -> Any:
@@ -450,8 +467,10 @@ class _Loader:
         value, found, key = self.take(name, leaf, alts)
         if not found:
             return leaf
-        want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        return _placed(_weak_like(_checked(value, key, want, where), leaf), leaf)
+        if isinstance(leaf, np.ndarray | np.generic):  # stays NumPy, as every load
+            want = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            return _numpy_leaf(_checked(value, key, want, where, numpy=True), leaf)
+        return _loaded(value, key, leaf, where)
 
     def recording(self, name: str, cell: RecordState) -> RecordState:
         """A recording (`es.nn.Record`, `Capture`) is in no state dict. In an
@@ -486,14 +505,9 @@ class _Loader:
         else:
             value, found, name = self.take(name, old)
         if found:
-            is_key = _is_key_dtype(old.dtype)
-            want = _key_data_shape(old) if is_key else old
-            want = jax.ShapeDtypeStruct(want.shape, want.dtype)
-            new = _placed(_checked(value, name, want, _desc(cell)), old)
+            new = _loaded(value, name, old, _desc(cell))
             if name.rpartition(".")[2] == "num_batches_tracked":
                 _check_count(new, name)
-            if is_key:
-                new = jax.random.wrap_key_data(new, impl=_key_impl(old))
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):
             # randomness, which PyTorch keeps outside its state dicts (Dropout
             # draws from the global generator): a stream of an abstract model
@@ -557,7 +571,11 @@ class _Loader:
         if treedef == old_treedef:  # each array where the one it replaces was
             # (a cell's too: the conversion's arithmetic ran where JAX chose)
             out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
-        return refs_in(out, like=module) if _has_refs(module) else out
+        if not _has_refs(module):
+            return out
+        # a cell the conversion left out holds the module's own ref: a new one, so
+        # that the model passed in and the loaded one do not write each other
+        return refs_in(_fresh_refs(out), like=module)
 
 
 def _check_converted(name: str, module: Any, out: Any) -> None:

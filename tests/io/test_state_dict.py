@@ -551,6 +551,37 @@ def test_prng_key_cells_round_trip_as_key_data():
         np.testing.assert_array_equal(v, sd[k])
 
 
+class _KeyParam(eqx.Module):
+    w: jax.Array
+    key: jax.Array  # a typed key held as a plain field, not a cell
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("like", ["concrete", "abstract"])
+def test_a_typed_key_field_round_trips_like_a_key_cell(impl, like):
+    """`state_dict` writes a typed key field as its key data (as a cell's), but
+    loading it back compared the data's shape with the key's `()` and refused the
+    model's own state dict."""
+
+    def make(seed):
+        return _KeyParam(jnp.ones(2), jax.random.key(seed, impl=impl))
+
+    sd = es.state_dict(make(3))
+    want = np.asarray(jax.random.key_data(jax.random.key(3, impl=impl)))
+    np.testing.assert_array_equal(sd["key"], want)
+    target = make(0) if like == "concrete" else eqx.filter_eval_shape(make, 0)
+    new = es.load_state_dict(target, sd)
+    assert jax.dtypes.issubdtype(new.key.dtype, jax.dtypes.prng_key)
+    assert str(jax.random.key_impl(new.key)) == str(jax.random.key_impl(make(0).key))
+    np.testing.assert_array_equal(jax.random.key_data(new.key), want)
+    np.testing.assert_array_equal(  # draws as the saved key does
+        jax.random.normal(new.key, (3,)),
+        jax.random.normal(jax.random.key(3, impl=impl), (3,)),
+    )
+    with pytest.raises(ValueError, match=r"Size mismatch for `key`.*\(1,\)"):
+        es.load_state_dict(target, {**sd, "key": want[:1]})
+
+
 def test_abstract_model_is_filled_from_the_state_dict():
     t_sd = TorchNet().state_dict()
     abstract = eqx.filter_eval_shape(Net, jax.random.key(0))
@@ -910,3 +941,32 @@ def test_a_weakly_typed_parameter_loads_weakly_typed(mode):
     np.testing.assert_array_equal(
         np.asarray(loaded(x), np.float32), np.asarray(model(x), np.float32)
     )
+
+
+class _WithNumpy(eqx.Module):
+    w: jax.Array
+    table: np.ndarray  # a lookup table kept on the host, 64-bit
+    scale: np.generic
+
+
+def test_a_numpy_leaf_loads_as_numpy_of_its_dtype():
+    """A NumPy leaf came back a JAX array, its int64 narrowed to int32 (and a
+    float64 to float32, with JAX's truncation warning), where `es.load` and
+    Equinox's `tree_deserialise_leaves` keep it NumPy of its dtype. Reference: the
+    values given, and PyTorch's `load_state_dict`, which copies into the tensor
+    the module holds (its dtype)."""
+    model = _WithNumpy(jnp.ones(2), np.arange(3, dtype=np.int64), np.float64(0.5))
+    table = np.array([2**40, -3, 7], np.int64)  # beyond int32
+    sd = {"w": np.zeros(2, np.float32), "table": table, "scale": np.array(0.25)}
+    loaded = es.load_state_dict(model, sd)
+    assert type(loaded.table) is np.ndarray and loaded.table.dtype == np.int64
+    np.testing.assert_array_equal(loaded.table, table)
+    assert type(loaded.scale) is np.float64 and loaded.scale == 0.25
+    table[0] = 0  # a copy, not the caller's array
+    assert loaded.table[0] == 2**40
+    t = torch.nn.Module()
+    t.register_buffer("table", torch.zeros(3, dtype=torch.int64))
+    t.load_state_dict({"table": torch.from_numpy(sd["table"])})
+    assert t.table.dtype == torch.int64  # the module's dtype, as here
+    with pytest.raises(TypeError, match=r"Dtype mismatch for `table`.*float32"):
+        es.load_state_dict(model, {**sd, "table": np.zeros(3, np.float32)})

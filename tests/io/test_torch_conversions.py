@@ -383,6 +383,38 @@ def test_register_torch_names_for_a_user_module():
         es.register_torch_names(Affine, {}, lambda m, a: m)  # pyright: ignore
 
 
+class _Counted(eqx.Module):
+    """A user layer whose registered conversion leaves its state cell out."""
+
+    w: jax.Array
+    count: es.Buffer
+
+
+def test_a_ref_mode_load_shares_no_ref_with_the_model_passed_in():
+    """A ref-mode cell that a registered conversion leaves out came back holding
+    the model's own ref: a write to the loaded model changed the model passed in
+    (and the other way round). The loaded one gets a new ref with the same value,
+    named by the cell's path."""
+    es.register_torch_names(
+        _Counted,
+        lambda m: {"w": m.w},
+        lambda m, a: eqx.tree_at(lambda x: x.w, m, a["w"]),
+    )
+    model = es.to_refs({"c": _Counted(jnp.ones(3), es.Buffer(jnp.int32(0)))})
+    model["c"].count[...] = 5
+    w = np.full(3, 2.0, np.float32)
+    loaded = es.load_state_dict(model, {"c.w": w})
+    np.testing.assert_array_equal(loaded["c"].w, w)
+    assert int(loaded["c"].count[...]) == 5  # not in the state dict: kept
+    loaded["c"].count[...] = 7
+    assert int(model["c"].count[...]) == 5
+    model["c"].count[...] = 9
+    assert int(loaded["c"].count[...]) == 7
+    np.testing.assert_array_equal(model["c"].w, np.ones(3))
+    with pytest.raises(es.StateWriteError, match=r"model\['c'\]\.count"):
+        loaded["c"].count[...] = jnp.zeros(2, jnp.int32)  # named by its path
+
+
 class _Scaled(eqx.Module):
     w: jax.Array
 
