@@ -36,6 +36,7 @@ from ._torch_names import (
     _path_name,
     _stop,
     _view,
+    torch_path_name,
 )
 from .nn._ema import EMA
 
@@ -367,18 +368,30 @@ def _check_count(value: Any, name: str) -> None:
         )
 
 
-def _loaded(value: Any, name: str, old: Any, where: str) -> jax.Array:
+def _loaded(
+    value: Any, name: str, old: Any, where: str, *, cell: bool = False
+) -> jax.Array:
     """The state-dict entry `value` for the model's array `old` (a parameter's, a
-    cell's, or an abstract leaf): checked against its shape and dtype (a typed
+    `cell`'s, or an abstract leaf): checked against its shape and dtype (a typed
     PRNG key's against its key data, as `state_dict` writes it), a new JAX array
-    of its type (a key wrapped in its implementation, weakly typed where `old`
-    is), placed as `old` is."""
+    of its type (a key wrapped in its implementation; a parameter weakly typed
+    where `old` is: a cell holds a strongly typed array, although an abstract
+    model's struct of one built from a weak value says weak), placed as `old`
+    is."""
     is_key = _is_key_dtype(old.dtype)
     want = _key_data_shape(old) if is_key else old
     new = _checked(value, name, jax.ShapeDtypeStruct(want.shape, want.dtype), where)
     if is_key:
         new = jax.random.wrap_key_data(new, impl=_key_impl(old))
-    return _placed(_weak_like(new, old), old)
+    return _placed(new if cell else _weak_like(new, old), old)
+
+
+def _as_before(new: Any, old: Any) -> Any:
+    """A converted layer's leaf `new` as the leaf `old` it replaces: NumPy of its
+    dtype where `old` is (the rule of every load path), else placed as `old` is."""
+    if isinstance(old, np.ndarray | np.generic):
+        return _numpy_leaf(np.array(new, dtype=old.dtype), old)
+    return _placed(new, old)
 
 
 def _placed(new: Any, old: Any) -> Any:
@@ -417,6 +430,8 @@ class _Loader:
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.no_value: list[str] = []  # missing, and the model has no value either
+        # parts of abstract converted layers that their conversion does not name
+        self.unnamed: list[str] = []
         # (name, layer) of each `eqx.nn.MultiheadAttention`, for the error's hint
         self.attention: list[tuple[str, Any]] = []
 
@@ -505,7 +520,7 @@ class _Loader:
         else:
             value, found, name = self.take(name, old)
         if found:
-            new = _loaded(value, name, old, _desc(cell))
+            new = _loaded(value, name, old, _desc(cell), cell=True)
             if name.rpartition(".")[2] == "num_batches_tracked":
                 _check_count(new, name)
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):
@@ -519,6 +534,14 @@ class _Loader:
         new_cell = eqx.tree_at(lambda c: c.value, cell, new)
         # ref mode: a new ref, so the model passed in is left as it was
         return refs_in(new_cell, like=cell) if ref_mode else new_cell
+
+    def left_without_value(self, name: str, out: Any) -> None:
+        """Report each part of a converted abstract layer that its conversion left
+        without a value (a cell it does not hold in PyTorch's layout)."""
+        flat = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_state)[0]
+        for path, leaf in flat:
+            if isinstance(getattr(leaf, "value", leaf), jax.ShapeDtypeStruct):
+                self.unnamed.append(_join(name, torch_path_name(out, path)))
 
     def converted(self, name: str, module: Any, conv: _Converter) -> Any:
         _check_module(module, name)
@@ -569,8 +592,11 @@ class _Loader:
         flat, treedef = jax.tree_util.tree_flatten(out)
         old, old_treedef = jax.tree_util.tree_flatten(module)
         if treedef == old_treedef:  # each array where the one it replaces was
-            # (a cell's too: the conversion's arithmetic ran where JAX chose)
-            out = jax.tree_util.tree_unflatten(treedef, map(_placed, flat, old))
+            # (a cell's too: the conversion's arithmetic ran where JAX chose), a
+            # NumPy one as NumPy (the conversion's arithmetic gave a JAX array)
+            out = jax.tree_util.tree_unflatten(treedef, map(_as_before, flat, old))
+        if _is_abstract(module):
+            self.left_without_value(name, out)
         if not _has_refs(module):
             return out
         # a cell the conversion left out holds the module's own ref: a new one, so
@@ -606,10 +632,20 @@ def _check_converted(name: str, module: Any, out: Any) -> None:
             a, b = getattr(a, "value", a), getattr(b, "value", b)
         if not isinstance(b, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
             continue
-        if jnp.shape(a) != b.shape or jnp.result_type(a) != b.dtype:
+        # the value's own dtype (`jnp.result_type` narrows a NumPy int64 to int32)
+        dtype = np.dtype(a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+        if jnp.shape(a) != b.shape or dtype != b.dtype:
+            narrowed = isinstance(b, np.ndarray) and dtype.itemsize < b.dtype.itemsize
+            if narrowed and not jax.config.read("jax_enable_x64"):
+                fix = (
+                    "(The model holds a 64-bit NumPy array there, which the "
+                    "conversion's JAX arithmetic computes in 32 bits: enable "
+                    "64-bit JAX, `jax.config.update('jax_enable_x64', True)`, or "
+                    "hold that array as a JAX array.)"
+                )
             raise StateValueError(
                 f"Loading {where}: `from_torch` returned "
-                f"{jnp.result_type(a).name}{list(jnp.shape(a))} at "
+                f"{dtype.name}{list(jnp.shape(a))} at "
                 f"`{jax.tree_util.keystr(path)}`, where the model holds "
                 f"{np.dtype(b.dtype).name}{list(b.shape)}. {fix}"
             )
@@ -873,6 +909,15 @@ def load_state_dict(
             "dict lacks these names, so they would have no value: "
             + ", ".join(loader.no_value)
             + ". Provide them, or build the model with real arrays."
+        )
+    if loader.unnamed:
+        raise StateValueError(
+            "The model is abstract (built with `eqx.filter_eval_shape`), and "
+            "these parts of it have no PyTorch name (their layer's conversion "
+            "leaves them out of state dicts), so no state dict can give them a "
+            "value: " + ", ".join(loader.unnamed) + ". Build the model with real "
+            "arrays, or load them with `es.load` from a checkpoint of the whole "
+            "model."
         )
     if strict:
         if missing or unexpected:

@@ -970,3 +970,91 @@ def test_a_numpy_leaf_loads_as_numpy_of_its_dtype():
     assert t.table.dtype == torch.int64  # the module's dtype, as here
     with pytest.raises(TypeError, match=r"Dtype mismatch for `table`.*float32"):
         es.load_state_dict(model, {**sd, "table": np.zeros(3, np.float32)})
+
+
+class _Scale(eqx.Module):
+    scale: es.Buffer
+
+    def __call__(self, x):
+        return x * self.scale[...]
+
+
+def test_a_cell_made_from_a_weak_value_loads_strongly_typed_into_an_abstract_model():
+    """A cell holds a strongly typed array, but `eqx.filter_eval_shape` reports one
+    built from `jnp.asarray(0.5)` as weak: loading made the abstract model's cell
+    weak, so it computed in bfloat16 where the same model loaded concretely
+    computes in float32 (JAX's promotion of a strong float32 scalar)."""
+
+    def make():
+        return _Scale(es.Buffer(jnp.asarray(0.5)))
+
+    sd = es.state_dict(make())
+    x = jnp.ones(2, jnp.bfloat16)
+    want = (x.astype(jnp.float32) * np.float32(0.5)).dtype  # JAX's own promotion
+    for like in (make(), eqx.filter_eval_shape(make)):
+        loaded = es.load_state_dict(like, sd)
+        assert not loaded.scale.value.weak_type
+        assert loaded(x).dtype == want == jnp.float32
+
+
+class _NumpyConverted(eqx.Module):
+    w: jax.Array
+    table: np.ndarray
+    scale: np.generic
+
+
+def test_numpy_leaves_of_a_converted_layer_stay_numpy():
+    """The NumPy rule inside converted layers: an `eqx.nn.LSTMCell` whose arrays
+    are NumPy (its bias is the sum of PyTorch's two, computed by JAX) came back
+    part JAX; a registered conversion that passes an int64 NumPy leaf through was
+    refused (its dtype read as JAX's int32). A float64 one, which the
+    conversion's JAX arithmetic computes in float32 without 64-bit JAX, is
+    refused saying so."""
+    cell = eqx.nn.LSTMCell(3, 4, key=jax.random.key(0))
+    cell = jax.tree.map(lambda x: np.asarray(x) if eqx.is_array(x) else x, cell)
+    torch.manual_seed(0)
+    tcell = torch.nn.LSTMCell(3, 4)
+    loaded = es.load_state_dict(cell, tcell.state_dict())
+    for f in ("weight_ih", "weight_hh", "bias"):
+        assert type(getattr(loaded, f)) is np.ndarray, f
+        assert getattr(loaded, f).dtype == np.float32, f
+    np.testing.assert_array_equal(loaded.weight_ih, tcell.weight_ih.detach().numpy())
+    np.testing.assert_allclose(
+        loaded.bias, (tcell.bias_ih + tcell.bias_hh).detach().numpy(), rtol=1e-6
+    )
+    es.register_torch_names(
+        _NumpyConverted,
+        lambda m: {"w": m.w, "table": m.table, "scale": m.scale},
+        lambda m, a: _NumpyConverted(a["w"], a["table"], a["scale"]),
+    )
+    model = _NumpyConverted(jnp.ones(2), np.arange(3, dtype=np.int64), np.float64(1))
+    sd = {"w": np.zeros(2, np.float32), "table": np.array([2**40, 1, 2])}
+    loaded = es.load_state_dict(model, {**sd, "scale": np.array(0.25)})
+    assert loaded.table.dtype == np.int64 and loaded.table[0] == 2**40
+    assert type(loaded.scale) is np.float64 and loaded.scale == 0.25
+    wide = jax.tree.map(
+        lambda x: np.asarray(x, np.float64) if eqx.is_array(x) else x, cell
+    )
+    with pytest.raises(ValueError, match=r"float32\[16\] at `\.bias`.*enable 64-bit"):
+        es.load_state_dict(wide, es.state_dict(wide))
+
+
+class _Counted2(eqx.Module):
+    w: jax.Array
+    count: es.Buffer
+
+
+def test_an_abstract_cell_that_a_conversion_leaves_out_is_refused():
+    """A cell that a registered conversion does not name stayed a
+    `jax.ShapeDtypeStruct` in an abstract model, silently (the first step or
+    `es.to_refs` then failed inside JAX)."""
+    es.register_torch_names(
+        _Counted2,
+        lambda m: {"w": m.w},
+        lambda m, a: eqx.tree_at(lambda x: x.w, m, a["w"]),
+    )
+    abstract = eqx.filter_eval_shape(
+        lambda: {"c": _Counted2(jnp.ones(3), es.Buffer(jnp.int32(0)))}
+    )
+    with pytest.raises(ValueError, match=r"no PyTorch name.*: c\.count\. Build"):
+        es.load_state_dict(abstract, {"c.w": np.zeros(3, np.float32)})
