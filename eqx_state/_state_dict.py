@@ -241,6 +241,12 @@ _NO_NUMPY_DTYPE = {
 def _incoming(value: Any, name: str) -> Any:
     """A state-dict value as a NumPy or JAX array (no copy yet)."""
     if isinstance(value, jax.Array):
+        if _is_key_dtype(value.dtype):  # (as `state_dict` writes a key)
+            raise StateTypeError(
+                f"state_dict[{name!r}] is an array of typed PRNG keys: a state "
+                "dict holds a key as its key data. Pass "
+                f"`jax.random.key_data(...)` for {name!r}."
+            )
         return value
     if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
         # np.asarray drops the mask: the masked entries' stale data would load
@@ -396,9 +402,11 @@ def _as_before(new: Any, old: Any) -> Any:
 
 def _placed(new: Any, old: Any) -> Any:
     """`new` (an array) placed and committed as the live array or ref `old` it
-    replaces is (`put_as`); as it is where `old` holds no array (an abstract
-    model's leaf)."""
-    if isinstance(new, jax.Ref) or placement_source(old) is None:
+    replaces is, or on the sharding an abstract model's leaf names (`put_as`, as
+    `es.load`); as it is where `old` holds no array and names no sharding."""
+    if isinstance(new, jax.Ref | jax.ShapeDtypeStruct) or (
+        placement_source(old) is None and not isinstance(old, jax.ShapeDtypeStruct)
+    ):
         return new
     return put_as(new, old)
 

@@ -580,6 +580,8 @@ def test_a_typed_key_field_round_trips_like_a_key_cell(impl, like):
     )
     with pytest.raises(ValueError, match=r"Size mismatch for `key`.*\(1,\)"):
         es.load_state_dict(target, {**sd, "key": want[:1]})
+    with pytest.raises(TypeError, match=r"state_dict\['key'\] is an array of typed"):
+        es.load_state_dict(target, {**sd, "key": jax.random.key(3, impl=impl)})
 
 
 def test_abstract_model_is_filled_from_the_state_dict():

@@ -351,3 +351,43 @@ def test_a_weakly_typed_array_sharded_over_an_explicit_mesh_loads(tmp_path):
         assert jax.typeof(loaded[k]) == jax.typeof(v)  # weak, sharded as saved
         assert loaded[k].sharding == v.sharding
         np.testing.assert_array_equal(loaded[k], v)
+
+
+def test_a_state_dict_load_puts_an_abstract_models_arrays_on_their_shardings(
+    mesh2x2,
+):
+    """An abstract model whose structs name shardings (a model too large to build
+    on one device) is filled on them, as `es.load` fills it: `load_state_dict`
+    left every array on the default device. A parameter, a typed key field and a
+    cell; reference: the sharding each struct names, and the values given."""
+
+    class Keyed(eqx.Module):
+        w: jax.Array
+        key: jax.Array
+        count: es.Buffer
+
+    def make():
+        return Keyed(
+            jnp.arange(4.0), jax.random.split(jax.random.key(1), 4), es.Buffer(0)
+        )
+
+    row = NamedSharding(mesh2x2, P("model"))
+    structs = eqx.filter_eval_shape(make)
+    abstract = eqx.tree_at(
+        lambda m: (m.w, m.key, m.count.value),
+        structs,
+        [
+            jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+            for s, sh in [
+                (structs.w, row),
+                (structs.key, row),
+                (structs.count.value, NamedSharding(mesh2x2, P())),
+            ]
+        ],
+    )
+    sd = es.state_dict(make())
+    loaded = es.load_state_dict(abstract, sd)
+    assert loaded.w.sharding == row and loaded.key.sharding == row
+    assert loaded.count.value.sharding == NamedSharding(mesh2x2, P())
+    np.testing.assert_array_equal(loaded.w, sd["w"])
+    np.testing.assert_array_equal(jax.random.key_data(loaded.key), sd["key"])
