@@ -640,10 +640,15 @@ def _check_converted(name: str, module: Any, out: Any) -> None:
             a, b = getattr(a, "value", a), getattr(b, "value", b)
         if not isinstance(b, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
             continue
-        # the value's own dtype (`jnp.result_type` narrows a NumPy int64 to int32)
-        dtype = np.dtype(a.dtype if hasattr(a, "dtype") else jnp.result_type(a))
+        # the value's own dtype (`jnp.result_type` narrows a NumPy int64 to int32;
+        # a key array's is JAX's, not NumPy's)
+        dtype = a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
         if jnp.shape(a) != b.shape or dtype != b.dtype:
-            narrowed = isinstance(b, np.ndarray) and dtype.itemsize < b.dtype.itemsize
+            narrowed = (
+                isinstance(b, np.ndarray)
+                and isinstance(dtype, np.dtype)
+                and dtype.itemsize < b.dtype.itemsize
+            )
             if narrowed and not jax.config.read("jax_enable_x64"):
                 fix = (
                     "(The model holds a 64-bit NumPy array there, which the "
@@ -653,9 +658,9 @@ def _check_converted(name: str, module: Any, out: Any) -> None:
                 )
             raise StateValueError(
                 f"Loading {where}: `from_torch` returned "
-                f"{dtype.name}{list(jnp.shape(a))} at "
+                f"{dtype}{list(jnp.shape(a))} at "
                 f"`{jax.tree_util.keystr(path)}`, where the model holds "
-                f"{np.dtype(b.dtype).name}{list(b.shape)}. {fix}"
+                f"{b.dtype}{list(b.shape)}. {fix}"
             )
 
 

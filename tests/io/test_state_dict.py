@@ -584,6 +584,29 @@ def test_a_typed_key_field_round_trips_like_a_key_cell(impl, like):
         es.load_state_dict(target, {**sd, "key": jax.random.key(3, impl=impl)})
 
 
+class _KeyConverted(eqx.Module):
+    w: jax.Array
+    key: jax.Array
+
+
+def test_a_typed_key_through_a_registered_conversion_loads():
+    """A conversion that passes a typed key through: the returned leaf's dtype is
+    JAX's key type, which the check of what `from_torch` returns read as a NumPy
+    dtype (a `TypeError` from NumPy)."""
+    es.register_torch_names(
+        _KeyConverted,
+        lambda m: {"w": m.w, "key": m.key},
+        lambda m, a: _KeyConverted(a["w"], a["key"]),
+    )
+    model = _KeyConverted(jnp.ones(2), jax.random.key(0))
+    sd = es.state_dict(_KeyConverted(jnp.zeros(2), jax.random.key(3)))
+    loaded = es.load_state_dict(model, sd)
+    np.testing.assert_array_equal(loaded.w, np.zeros(2))
+    np.testing.assert_array_equal(
+        jax.random.key_data(loaded.key), jax.random.key_data(jax.random.key(3))
+    )
+
+
 def test_abstract_model_is_filled_from_the_state_dict():
     t_sd = TorchNet().state_dict()
     abstract = eqx.filter_eval_shape(Net, jax.random.key(0))
