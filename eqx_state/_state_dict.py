@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._buffer import Buffer, RecordState, RngState, cells_of, check_live, is_state
-from ._checkpoint import _check_refs_unshared, _make_weak, _numpy_leaf, refuse_tracer
+from ._checkpoint import (
+    _check_refs_unshared,
+    _make_weak,
+    _numpy_leaf,
+    _python_type,
+    refuse_tracer,
+)
 from ._compat import Tracer, placement_source, put_as
 from ._errors import (
     StaleModelError,
@@ -392,6 +398,26 @@ def _loaded(
     return _placed(new if cell else _weak_like(new, old), old)
 
 
+def _exactly(x: Any, dtype: Any) -> bool:
+    """Whether the Python number `x` fits NumPy's `dtype`: of its kind (a bool for
+    a bool, an int for a number type, a float for a float type, rounded as NumPy
+    rounds it, a complex for a complex one) and in its range."""
+    dtype = np.dtype(dtype)
+    if isinstance(x, bool):
+        return dtype.kind == "b"
+    kinds = "iufc" if isinstance(x, int) else "fc" if isinstance(x, float) else "c"
+    if dtype.kind not in kinds or not isinstance(x, int | float | complex):
+        return False
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            v = np.array(x, dtype=dtype)
+    except (OverflowError, FloatingPointError, ValueError, TypeError):
+        return False
+    if dtype.kind in "iu":
+        return int(v) == x
+    return bool(np.isfinite(v)) or not np.isfinite(x)
+
+
 def _as_before(new: Any, old: Any) -> Any:
     """A converted layer's leaf `new` as the leaf `old` it replaces: NumPy of its
     dtype where `old` is (the rule of every load path), else placed as `old` is."""
@@ -546,7 +572,11 @@ class _Loader:
     def left_without_value(self, name: str, out: Any) -> None:
         """Report each part of a converted abstract layer that its conversion left
         without a value (a cell it does not hold in PyTorch's layout)."""
-        flat = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_state)[0]
+
+        def stop(x: Any) -> bool:  # a converted sub-layer reports its own
+            return is_state(x) or (x is not out and _converter(x) is not None)
+
+        flat = jax.tree_util.tree_flatten_with_path(out, is_leaf=stop)[0]
         for path, leaf in flat:
             if isinstance(getattr(leaf, "value", leaf), jax.ShapeDtypeStruct):
                 self.unnamed.append(_join(name, torch_path_name(out, path)))
@@ -558,7 +588,7 @@ class _Loader:
         view = _view(module, conv, name)
         aliases = conv.aliases(module)
         where = f"{_desc(module)}, in PyTorch's layout"
-        used, missing = len(self.used), len(self.missing)
+        used, no_value = len(self.used), len(self.no_value)
         new: dict[str, Any] = {}
         loaded: dict[str, bool] = {}
         for local, value in view.items():
@@ -586,8 +616,10 @@ class _Loader:
                 )
         if len(self.used) == used:  # nothing loaded: the module as it was
             return _fresh_refs(module)
-        if _is_abstract(module) and len(self.missing) > missing:
-            return module  # partly loaded: reported as having no value
+        if _is_abstract(module) and len(self.no_value) > no_value:
+            # partly loaded: reported as having no value (a missing name that
+            # got a value, a Dropout's stream seeded from its name, does not count)
+            return module
         try:
             out = conv.from_torch(module, new)
         except Exception as e:  # a registered conversion's own error: say where
@@ -638,18 +670,28 @@ def _check_converted(name: str, module: Any, out: Any) -> None:
     for (path, a), b in zip(got, want):
         if is_state(a) or is_state(b):
             a, b = getattr(a, "value", a), getattr(b, "value", b)
-        if not isinstance(b, jax.Array | jax.ShapeDtypeStruct | np.ndarray):
+        if not isinstance(
+            b, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic
+        ):
             continue
+        if isinstance(b, np.ndarray | np.generic) and _python_type(a) is not None:
+            # a Python number for a NumPy leaf: it has no dtype of its own, so it
+            # must convert to the leaf's exactly (JAX's 32-bit reading is not it)
+            if b.shape == () and _exactly(a, b.dtype):
+                continue
+            raise StateValueError(
+                f"Loading {where}: `from_torch` returned {a!r} at "
+                f"`{jax.tree_util.keystr(path)}`, where the model holds "
+                f"{b.dtype}{list(b.shape)}, which does not hold it exactly. {fix}"
+            )
         # the value's own dtype (`jnp.result_type` narrows a NumPy int64 to int32;
         # a key array's is JAX's, not NumPy's)
         dtype = a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
         if jnp.shape(a) != b.shape or dtype != b.dtype:
-            narrowed = (
-                isinstance(b, np.ndarray)
-                and isinstance(dtype, np.dtype)
-                and dtype.itemsize < b.dtype.itemsize
-            )
-            if narrowed and not jax.config.read("jax_enable_x64"):
+            # JAX's 32-bit stand-in for the NumPy leaf's 64-bit dtype (x64 off)
+            numpy = isinstance(b, np.ndarray | np.generic)
+            stand_in = jax.dtypes.canonicalize_dtype(b.dtype) if numpy else None
+            if numpy and stand_in != b.dtype and dtype == stand_in:
                 fix = (
                     "(The model holds a 64-bit NumPy array there, which the "
                     "conversion's JAX arithmetic computes in 32 bits: enable "
@@ -923,6 +965,8 @@ def load_state_dict(
             + ", ".join(loader.no_value)
             + ". Provide them, or build the model with real arrays."
         )
+    if strict and (missing or unexpected):
+        raise StateValueError(_mismatch_message(model, missing, unexpected, loader))
     if loader.unnamed:
         raise StateValueError(
             "The model is abstract (built with `eqx.filter_eval_shape`), and "
@@ -933,7 +977,5 @@ def load_state_dict(
             "model."
         )
     if strict:
-        if missing or unexpected:
-            raise StateValueError(_mismatch_message(model, missing, unexpected, loader))
         return new
     return new, IncompatibleKeys(missing, unexpected)

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 # The tests compile thousands of small programs; on CI's 2 cores, most of their time is
-# XLA's LLVM backend optimising code that runs for microseconds. JAX's public
+# XLA's LLVM backend optimising code that runs for microseconds. JAX's config flag
 # `jax_disable_most_optimizations` keeps XLA's own passes (fusion, layouts) and
 # skips LLVM's optimisations (backend level 0, no expensive passes): the default
 # suite ran in 5:40 instead of 7:26 on an idle 2-core machine (XLA_FLAGS'

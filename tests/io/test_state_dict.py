@@ -4,6 +4,7 @@ round trips in both storage modes, and the errors."""
 
 import re
 import textwrap
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -1083,3 +1084,88 @@ def test_an_abstract_cell_that_a_conversion_leaves_out_is_refused():
     )
     with pytest.raises(ValueError, match=r"no PyTorch name.*: c\.count\. Build"):
         es.load_state_dict(abstract, {"c.w": np.zeros(3, np.float32)})
+
+
+def test_an_abstract_sequential_with_dropout_loads_with_strict_false():
+    """PyTorch's `nn.Sequential(Linear, Dropout)` into an abstract Equinox port:
+    the Dropout's stream, in no state dict, is seeded from its name, but its
+    missing name made the whole `Sequential` come back abstract, silently.
+    Reference: PyTorch's weights."""
+    key = jax.random.key(0)
+
+    def make():
+        return eqx.nn.Sequential(
+            [eqx.nn.Linear(3, 4, key=key), es.nn.Dropout(0.5, key=1)]
+        )
+
+    torch.manual_seed(0)
+    t = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout())
+    out, keys = es.load_state_dict(
+        eqx.filter_eval_shape(make), t.state_dict(), strict=False
+    )
+    assert keys.missing_keys == ["1.rng.key"] and keys.unexpected_keys == []
+    np.testing.assert_array_equal(out.layers[0].weight, t[0].weight.detach().numpy())
+    assert isinstance(out.layers[1].rng.key.value, jax.Array)
+    x = np.ones(3, np.float32)
+    with torch.no_grad():
+        want = t[0](torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(
+        eqx.nn.inference_mode(out)(x), want, rtol=1e-6, atol=1e-6
+    )
+
+
+class _NumpyScalar(eqx.Module):
+    x: Any
+
+
+@pytest.mark.parametrize(
+    "leaf,from_torch,error",
+    [
+        (np.int64(2**40 + 1), lambda a: jnp.asarray(a) + 0, r"int32\[\].*64-bit"),
+        (np.float64(0.5), lambda a: jnp.asarray(a) * 1, r"float32\[\].*64-bit"),
+        (np.int8(1), lambda a: 300, r"returned 300 at `\.x`.*int8"),
+        (np.float32(1), lambda a: np.ones(3, np.float32), r"float32\[3\] at `\.x`"),
+        (np.array(0.0, np.float64), lambda a: 0.1, None),
+        (np.int64(0), lambda a: 2**40 + 1, None),
+    ],
+    ids=["int64-jax", "float64-jax", "int8-300", "shape", "float-exact", "int-exact"],
+)
+def test_what_a_conversion_returns_for_a_numpy_scalar_is_checked(
+    leaf, from_torch, error
+):
+    """A NumPy scalar leaf of a converted layer skipped the check of what
+    `from_torch` returns: a value JAX computed in 32 bits, a Python number out of
+    the leaf's range or an array of another shape were cast into the leaf's
+    dtype, silently wrong. A Python number that the leaf's dtype holds loads as
+    it, exactly (JAX's 32-bit reading of it was refused). Only a 64-bit leaf
+    narrowed to JAX's 32-bit type gets the 64-bit hint."""
+    es.register_torch_names(
+        _NumpyScalar,
+        lambda m: {"x": m.x},
+        lambda m, a: _NumpyScalar(from_torch(a["x"])),
+    )
+    model = _NumpyScalar(leaf)
+    sd = {"x": np.asarray(leaf)}
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            es.load_state_dict(model, sd)
+        return
+    loaded = es.load_state_dict(model, sd)
+    assert type(loaded.x) is type(leaf) and loaded.x.dtype == leaf.dtype
+    assert loaded.x == np.asarray(from_torch(None), leaf.dtype)
+
+
+def test_an_unnamed_cell_in_a_sequential_is_named_once():
+    """A converted layer's unnamed cell nested in an `eqx.nn.Sequential` (itself
+    converted) was reported twice, once under its field path
+    (`0.count, layers.0.count`)."""
+    es.register_torch_names(
+        _Counted2,
+        lambda m: {"w": m.w},
+        lambda m, a: eqx.tree_at(lambda x: x.w, m, a["w"]),
+    )
+    abstract = eqx.filter_eval_shape(
+        lambda: eqx.nn.Sequential([_Counted2(jnp.ones(3), es.Buffer(jnp.int32(0)))])
+    )
+    with pytest.raises(ValueError, match=r"a value: 0\.count\. Build"):
+        es.load_state_dict(abstract, {"0.w": np.zeros(3, np.float32)})
