@@ -1273,7 +1273,7 @@ def _build(
     if entry.kind in ("numpy", "numpy_scalar"):
         return _numpy_leaf(arr.copy(), leaf)
     # a new buffer where `like`'s array (or ref's) is (`put_as`)
-    value = put_as(arr, leaf, may_alias=False)
+    value = put_as(arr, leaf, may_alias=False, where=where)
     if value.dtype != entry.dtype:  # (`_check_against` refuses it first)
         raise CheckpointError(
             f"At {where} the checkpoint {name} holds a JAX {entry.describe()} array, "

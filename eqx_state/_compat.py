@@ -305,14 +305,26 @@ def placement_source(like: Any) -> jax.Array | None:
     return None
 
 
-def put_as(x: Any, like: Any, *, may_alias: bool | None = None) -> jax.Array:
+def put_as(
+    x: Any, like: Any, *, may_alias: bool | None = None, where: str | None = None
+) -> jax.Array:
     """`jax.device_put` of `x` (NumPy or JAX data that replaces `like`: a live
     array or a concrete ref, `placement_source`) placed and committed as `like`'s
     array is (`placed_as`). A committed JAX array is put where `like` is,
     committed (public JAX uncommits an array only through the host). Where `like`
     has no array: an abstract leaf's data goes on the sharding it names, if any;
     a tracer's, a deleted array's (a model a donating step consumed) or a
-    consumed ref's on the default device, uncommitted."""
+    consumed ref's on the default device, uncommitted. `where`: the leaf, named in
+    a note on JAX's error (a sharding that does not divide the leaf's shape)."""
+    try:
+        return _put_as(x, like, may_alias)
+    except ValueError as e:
+        if where is not None:
+            e.add_note(f"(eqx_state: placing the value loaded for {where})")
+        raise
+
+
+def _put_as(x: Any, like: Any, may_alias: bool | None) -> jax.Array:
     src = placement_source(like)
     if src is None:  # an abstract leaf's sharding; a dead array's would commit
         sharding = getattr(like, "sharding", None)

@@ -289,7 +289,7 @@ def _rebuild(path: Any, like: Any, got: Any) -> Any:
             exact = private_numpy_copy(exact)
         # where `like`'s array is (a ref's too: its new ref holds the restored
         # array where the old one's was, as a target restores it)
-        got = put_as(exact, like)
+        got = put_as(exact, like, where=_where(path))
     elif isinstance(like, np.ndarray | np.generic) or isinstance(got, np.ndarray):
         # NumPy data (Orbax gives back 0-d arrays for NumPy scalars): the rule that
         # `es.load` follows too

@@ -395,7 +395,7 @@ def _loaded(
     new = _checked(value, name, jax.ShapeDtypeStruct(want.shape, want.dtype), where)
     if is_key:
         new = jax.random.wrap_key_data(new, impl=_key_impl(old))
-    return _placed(new if cell else _weak_like(new, old), old)
+    return _placed(new if cell else _weak_like(new, old), old, f"`{name}`")
 
 
 def _exactly(x: Any, dtype: Any) -> bool:
@@ -426,7 +426,7 @@ def _as_before(new: Any, old: Any) -> Any:
     return _placed(new, old)
 
 
-def _placed(new: Any, old: Any) -> Any:
+def _placed(new: Any, old: Any, name: str | None = None) -> Any:
     """`new` (an array) placed and committed as the live array or ref `old` it
     replaces is, or on the sharding an abstract model's leaf names (`put_as`, as
     `es.load`); as it is where `old` holds no array and names no sharding."""
@@ -434,7 +434,7 @@ def _placed(new: Any, old: Any) -> Any:
         placement_source(old) is None and not isinstance(old, jax.ShapeDtypeStruct)
     ):
         return new
-    return put_as(new, old)
+    return put_as(new, old, where=name)
 
 
 def _desc(leaf: Any) -> str:

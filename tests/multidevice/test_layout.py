@@ -391,3 +391,24 @@ def test_a_state_dict_load_puts_an_abstract_models_arrays_on_their_shardings(
     assert loaded.count.value.sharding == NamedSharding(mesh2x2, P())
     np.testing.assert_array_equal(loaded.w, sd["w"])
     np.testing.assert_array_equal(jax.random.key_data(loaded.key), sd["key"])
+
+
+def test_a_sharding_that_does_not_fit_a_loaded_leaf_names_it(mesh2x2, tmp_path):
+    """An abstract model whose struct names a sharding that does not divide its
+    shape: JAX's error named no leaf of the model. Each load names it in a note."""
+    tree = {"w": jnp.zeros(3)}
+    es.save(tmp_path / "m.eqx", tree)
+    bad = {
+        "w": jax.ShapeDtypeStruct(
+            (3,), jnp.float32, sharding=NamedSharding(mesh2x2, P("model"))
+        )
+    }
+    for load, where in [
+        (lambda: es.load(tmp_path / "m.eqx", bad), "['w']"),
+        (lambda: es.load_state_dict(bad, {"w": np.zeros(3, np.float32)}), "`w`"),
+    ]:
+        with pytest.raises(ValueError, match="divide") as info:
+            load()
+        assert f"placing the value loaded for {where}" in "".join(
+            getattr(info.value, "__notes__", [])
+        )
