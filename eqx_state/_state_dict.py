@@ -399,14 +399,15 @@ def _loaded(
 
 
 def _exactly(x: Any, dtype: Any) -> bool:
-    """Whether the Python number `x` fits NumPy's `dtype`: of its kind (a bool for
-    a bool, an int for a number type, a float for a float type, rounded as NumPy
-    rounds it, a complex for a complex one) and in its range."""
+    """Whether the Python number `x` (`_python_type`: a bool, int, float or
+    complex) fits NumPy's `dtype`: of its kind (a bool for a bool, an int for a
+    number type, a float for a float type, rounded as NumPy rounds it, a complex
+    for a complex one) and in its range."""
     dtype = np.dtype(dtype)
     if isinstance(x, bool):
         return dtype.kind == "b"
     kinds = "iufc" if isinstance(x, int) else "fc" if isinstance(x, float) else "c"
-    if dtype.kind not in kinds or not isinstance(x, int | float | complex):
+    if dtype.kind not in kinds:
         return False
     try:
         with np.errstate(over="raise", invalid="raise"):
