@@ -40,11 +40,13 @@ from ._torch_names import (
     _items,
     _join,
     _path_name,
+    _sn_names,
     _stop,
     _view,
     torch_path_name,
 )
 from .nn._ema import EMA
+from .nn._spectral_norm import SpectralNorm
 
 
 def _is_key_dtype(dtype: Any) -> bool:
@@ -392,6 +394,8 @@ def _loaded(
     is."""
     is_key = _is_key_dtype(old.dtype)
     want = _key_data_shape(old) if is_key else old
+    if _uncommits(value, old):  # public JAX uncommits an array only through the host
+        value = np.asarray(value)
     new = _checked(value, name, jax.ShapeDtypeStruct(want.shape, want.dtype), where)
     if is_key:
         new = jax.random.wrap_key_data(new, impl=_key_impl(old))
@@ -427,6 +431,30 @@ def _as_before(new: Any, old: Any) -> Any:
     return _placed(new, old)
 
 
+def _uncommits(value: Any, old: Any) -> bool:
+    """Whether the state-dict value `value` is a JAX array committed to its
+    devices where the model's `old` is not (an uncommitted array, one a step
+    consumed, an abstract leaf naming no sharding): the loaded array is then made
+    uncommitted where `old` is, as PyTorch's `load_state_dict` copies into the
+    module's own tensors, wherever the given ones are (kept committed, it moved
+    every later call onto the value's device, or mixed devices)."""
+    if not (
+        isinstance(value, jax.Array)
+        and not isinstance(value, Tracer)
+        and not _is_key_dtype(value.dtype)  # (refused by name: `_incoming`)
+        and value.committed
+        and value.is_fully_addressable
+    ):
+        return False
+    src = placement_source(old)
+    if src is not None:
+        return not src.committed
+    return not (
+        isinstance(old, jax.ShapeDtypeStruct)
+        and isinstance(old.sharding, jax.sharding.Sharding)
+    )
+
+
 def _placed(new: Any, old: Any, name: str | None = None) -> Any:
     """`new` (an array) placed and committed as the live array or ref `old` it
     replaces is, or on the sharding an abstract model's leaf names (`put_as`, as
@@ -445,6 +473,22 @@ def _desc(leaf: Any) -> str:
     if isinstance(leaf, eqx.Module):
         return f"{t.__module__.split('.')[0]}.{t.__qualname__}"
     return "a parameter"
+
+
+def _note_spectral_dim(e: Exception, module: Any, local: str) -> None:
+    """A SpectralNorm's `u`/`v` of another size: most often `dim` given as
+    PyTorch counts it for a transposed convolution (whose weight PyTorch lays out
+    input axis first); ours counts the axes of Equinox's layout."""
+    if (
+        isinstance(module, SpectralNorm)
+        and local in _sn_names(module)[1:]
+        and str(e).startswith("Size mismatch")
+    ):
+        e.add_note(
+            f"(this SpectralNorm has dim={module.dim}, which counts the axes of "
+            "Equinox's weight layout, output axis first for every layer: PyTorch's "
+            "dim=1 of a transposed convolution is dim=0 here, its default)"
+        )
 
 
 def _key_impl(x: Any) -> Any:
@@ -597,7 +641,11 @@ class _Loader:
             if _is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
                 alts = [_join(name, a) for a in aliases.get(local, ())]
                 before = len(self.used)
-                new[local] = self.array(full, value, where, alts)
+                try:
+                    new[local] = self.array(full, value, where, alts)
+                except StateValueError as e:
+                    _note_spectral_dim(e, module, local)
+                    raise
                 loaded[local] = len(self.used) > before
             else:  # a cell, a sub-tree, None
                 new[local] = self.tree(value, full)

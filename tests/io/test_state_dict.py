@@ -2,6 +2,7 @@
 load_state_dict: names, layouts (checked by running the same layer in both), bit-exact
 round trips in both storage modes, and the errors."""
 
+import enum
 import re
 import textwrap
 from typing import Any
@@ -581,8 +582,10 @@ def test_a_typed_key_field_round_trips_like_a_key_cell(impl, like):
     )
     with pytest.raises(ValueError, match=r"Size mismatch for `key`.*\(1,\)"):
         es.load_state_dict(target, {**sd, "key": want[:1]})
-    with pytest.raises(TypeError, match=r"state_dict\['key'\] is an array of typed"):
-        es.load_state_dict(target, {**sd, "key": jax.random.key(3, impl=impl)})
+    committed = jax.device_put(jax.random.key(3, impl=impl), jax.devices()[0])
+    for key in [jax.random.key(3, impl=impl), committed]:
+        with pytest.raises(TypeError, match=r"state_dict\['key'\] is an array of typ"):
+            es.load_state_dict(target, {**sd, "key": key})
 
 
 class _KeyConverted(eqx.Module):
@@ -1118,6 +1121,10 @@ class _NumpyScalar(eqx.Module):
     x: Any
 
 
+class _Level(enum.IntEnum):
+    HIGH = 7
+
+
 @pytest.mark.parametrize(
     "leaf,from_torch,error",
     [
@@ -1127,8 +1134,19 @@ class _NumpyScalar(eqx.Module):
         (np.float32(1), lambda a: np.ones(3, np.float32), r"float32\[3\] at `\.x`"),
         (np.array(0.0, np.float64), lambda a: 0.1, None),
         (np.int64(0), lambda a: 2**40 + 1, None),
+        (np.int16(0), lambda a: _Level.HIGH, None),
+        (np.int16(0), lambda a: True, r"returned True at `\.x`.*int16"),
     ],
-    ids=["int64-jax", "float64-jax", "int8-300", "shape", "float-exact", "int-exact"],
+    ids=[
+        "int64-jax",
+        "float64-jax",
+        "int8-300",
+        "shape",
+        "float-exact",
+        "int-exact",
+        "intenum",
+        "bool-for-int",
+    ],
 )
 def test_what_a_conversion_returns_for_a_numpy_scalar_is_checked(
     leaf, from_torch, error
@@ -1169,3 +1187,13 @@ def test_an_unnamed_cell_in_a_sequential_is_named_once():
     )
     with pytest.raises(ValueError, match=r"a value: 0\.count\. Build"):
         es.load_state_dict(abstract, {"0.w": np.zeros(3, np.float32)})
+    deeper = eqx.filter_eval_shape(
+        lambda: eqx.nn.Sequential(
+            [
+                eqx.nn.Lambda(jnp.tanh),
+                eqx.nn.Sequential([_Counted2(jnp.ones(3), es.Buffer(jnp.int32(0)))]),
+            ]
+        )
+    )
+    with pytest.raises(ValueError, match=r"a value: 1\.0\.count\. Build"):
+        es.load_state_dict(deeper, {"1.0.w": np.zeros(3, np.float32)})

@@ -15,6 +15,7 @@ from _net import Net, loss_fn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_state as es
+from eqx_state import _compat
 
 
 LAYOUT = [
@@ -307,8 +308,21 @@ def test_a_ref_on_one_device_beside_a_model_on_the_mesh_names_the_fix(mesh2x2):
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _placements(tree):
+    """`{(committed, device)}` of every array of `tree`, a ref's array included
+    (read without JAX's eager read, which would commit it)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.Ref))
+    arrays = [
+        _compat.ref_buffer(a) if isinstance(a, jax.Ref) else a
+        for a in leaves
+        if isinstance(a, jax.Array | jax.Ref)
+    ]
+    return {(a.committed, *a.devices()) for a in arrays}
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
 def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
-    tmp_path,
+    tmp_path, mode
 ):
     """A model made under `jax.default_device(d)` holds uncommitted arrays on `d`:
     a reset and a load give the cells they replace new arrays there, still
@@ -316,21 +330,26 @@ def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
     placement and flags (a jitted call on the model then runs on the default
     device, as JAX runs uncommitted inputs). With a weakly typed leaf (made weak
     again after a load) and a converted layer's cells (`EMA`: computed from the
-    PyTorch arrays)."""
+    PyTorch arrays). In ref mode, `es.to_refs` outside the block, a reset (in
+    place) and each load kept the cells' arrays there too: JAX's eager `new_ref`
+    moved them to the default device (every new ref of a conversion or a load),
+    and a reset's fill, made there, committed the ref's array when written."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices (run through tests/test_multidevice.py)")
     device = jax.devices()[1]
     with jax.default_device(device):
         net = Net(jax.random.key(0))
         model = {"net": net, "ema": es.nn.EMA(net.l1, 0.9), "gain": jnp.asarray(0.5)}
+    if mode == "ref":
+        model = es.to_refs(model)
+        assert _placements(model) == {(False, device)}
     es.save(tmp_path / "m.eqx", model)
     for new in [
         es.reset(model, es.CounterState),
         es.load(tmp_path / "m.eqx", model),
         es.load_state_dict(model, es.state_dict(model)),
     ]:
-        arrays = [a for a in jax.tree.leaves(new) if isinstance(a, jax.Array)]
-        assert {(a.committed, *a.devices()) for a in arrays} == {(False, device)}
+        assert _placements(new) == {(False, device)}
         assert jax.typeof(new["gain"]).weak_type
 
 
@@ -412,3 +431,36 @@ def test_a_sharding_that_does_not_fit_a_loaded_leaf_names_it(mesh2x2, tmp_path):
         assert f"placing the value loaded for {where}" in "".join(
             getattr(info.value, "__notes__", [])
         )
+
+
+def test_a_committed_state_dict_value_loads_where_the_model_is():
+    """PyTorch's `load_state_dict` copies into the module's own tensors, wherever
+    the given ones are. A state-dict value that is a JAX array committed to
+    another device made the loaded leaf committed there (the next call ran on
+    that device, or failed for mixed devices). Now each array is loaded where the
+    model's is, uncommitted as the model's (a fresh model's, one made under
+    `jax.default_device`, an abstract one naming no sharding), and committed
+    where the model's is committed: every leaf in every case, with the values
+    given."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (run through tests/test_multidevice.py)")
+    d0, d1 = jax.devices()[:2]
+    with jax.default_device(d1):
+        net = Net(jax.random.key(0))
+    sd = {
+        k: jax.device_put(jnp.asarray(v) + 1, d0) for k, v in es.state_dict(net).items()
+    }
+    committed = jax.tree.map(
+        lambda x: jax.device_put(x, d1) if eqx.is_array(x) else x, net
+    )
+    for model, want in [
+        (net, (False, d1)),
+        (eqx.filter_eval_shape(lambda: Net(jax.random.key(0))), (False, d0)),
+        (committed, (True, d1)),
+        (es.to_refs(net), (False, d1)),
+    ]:
+        loaded = es.load_state_dict(model, sd)
+        assert _placements(loaded) == {want}
+        got = es.state_dict(loaded)
+        for k, v in sd.items():
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v))

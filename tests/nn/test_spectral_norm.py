@@ -471,3 +471,27 @@ def test_conv_transpose_matches_torch_grouped_too(mode, groups):
         ty = t(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(float(sn.sigma), top, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(y), ty, rtol=1e-4, atol=1e-5)
+
+
+def test_a_transposed_convolution_port_with_pytorchs_dim_is_told_ours():
+    """PyTorch's default `dim=1` for a ConvTranspose counts the axes of its layout
+    `[in, out, *k]`; ours counts Equinox's `[out, in, *k]`, so PyTorch's default is
+    our default 0. Given PyTorch's number, `u` has the input size, not the output
+    size: the size error says what `dim` counts. With our default, PyTorch's state
+    dict loads and the output equals PyTorch's."""
+    torch.manual_seed(0)
+    t = torch_spectral_norm(torch.nn.ConvTranspose2d(4, 6, 3))  # its dim=1
+    x = np.random.default_rng(0).normal(size=(2, 4, 5, 5)).astype(np.float32)
+    with torch.no_grad():
+        t.eval()
+        ty = t(torch.from_numpy(x)).numpy()
+    layer = eqx.nn.ConvTranspose2d(4, 6, 3, key=jax.random.key(0))
+    bad = es.nn.SpectralNorm(layer, dim=1, key=jax.random.key(1))
+    with pytest.raises(ValueError, match="Size mismatch") as info:
+        es.load_state_dict(bad, t.state_dict())
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "dim=1 of a transposed convolution is dim=0 here" in notes
+    good = es.nn.SpectralNorm(layer, key=jax.random.key(1))
+    good = eqx.nn.inference_mode(es.load_state_dict(good, t.state_dict()))
+    y, _ = es.apply(lambda m, x: m(x), good, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), ty, rtol=1e-5, atol=1e-6)
