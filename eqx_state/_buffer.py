@@ -24,6 +24,7 @@ from ._compat import (
     is_batched,
     is_concrete_ref,
     is_escaped_ref_error,
+    placed_as,
     ref_buffer,
     ref_is_consumed,
     ref_value_copy,
@@ -335,8 +336,14 @@ def new_cell_ref(
     """A ref-mode cell's new ref holding `value`: made eagerly by `es.to_refs`
     (`path`: the cell's path in the model it converts) or by a load into a
     ref-mode model (`like`: the ref it replaces, whose recorded path the new one
-    keeps)."""
-    ref = jax.new_ref(value, kind=kind)
+    keeps). The ref's array is where `value` is, committed as `value` is (JAX's
+    eager `new_ref` copies an uncommitted array to the default device: a model
+    made under `jax.default_device` had its cells moved off its device)."""
+    if isinstance(value, jax.Array) and not isinstance(value, Tracer):
+        with placed_as(value):
+            ref = jax.new_ref(value, kind=kind)
+    else:
+        ref = jax.new_ref(value, kind=kind)
     remember_path(ref, path if path is not None or like is None else origin_path(like))
     return ref
 

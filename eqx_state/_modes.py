@@ -37,6 +37,7 @@ from ._compat import (
     REF_TYPES,
     Tracer,
     is_concrete_ref,
+    placed_as,
     ref_identity,
     ref_value_copy,
     under_trace,
@@ -280,7 +281,11 @@ def _witness(v: Any) -> jax.Array:
         if any(s is not None for s in getattr(sharding, "spec", ())):
             return jax.lax.full(shape, 0.0, _WITNESS_DTYPE, sharding=sharding)
         return _constant_witness(shape)
-    w = jnp.zeros(shape, _WITNESS_DTYPE)
+    if isinstance(v, jax.Array) and not v.committed:  # where `v` is (`placed_as`)
+        with placed_as(v):
+            w = jnp.zeros(shape, _WITNESS_DTYPE)
+    else:
+        w = jnp.zeros(shape, _WITNESS_DTYPE)
     sharding = getattr(v, "sharding", None)
     if getattr(v, "committed", False) and isinstance(
         sharding, jax.sharding.NamedSharding | jax.sharding.SingleDeviceSharding

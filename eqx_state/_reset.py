@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._buffer import Buffer, MetricState, is_state
-from ._compat import Tracer, placed_as
+from ._compat import placed_as, placement_source
 from ._errors import StateTypeError, StateValueError
 from ._modes import check_tree_live, model_path
 
@@ -102,20 +102,21 @@ def reset(model: _T, which: Which = MetricState) -> _T:
     def one(path: Any, x: Any) -> Any:
         if not selected(x):
             return x
+        # The fill is laid out as the cell's array (or its ref's) is (replicated
+        # over a mesh that may span processes: a single-device array there could
+        # not be saved by Orbax nor taken by a step), and committed only if it
+        # was (`placed_as`; for a ref, JAX's write of a fill from elsewhere would
+        # commit its array). A tracer's or a traced ref's is staged.
+        src = placement_source(x.value)
+        if src is None:
+            fill = jnp.full(x.shape, x.init, x.dtype)
+        else:
+            with placed_as(src) as device:
+                fill = jnp.full(x.shape, x.init, x.dtype, device=device)
         if isinstance(x.value, jax.Array):  # value mode: a fresh array
-            # laid out as the cell was (replicated over a mesh that may span
-            # processes: a single-device array there could not be saved by Orbax
-            # nor taken by a step), and committed only if it was (`placed_as`)
-            if isinstance(x.value, Tracer):
-                fill = jnp.full(x.shape, x.init, x.dtype)
-            else:  # live: checked above
-                with placed_as(x.value) as device:
-                    fill = jnp.full(x.shape, x.init, x.dtype, device=device)
             replaced.append(path)
             return eqx.tree_at(lambda b: b.value, x, fill)
-        x[...] = jnp.full(
-            x.shape, x.init, x.dtype
-        )  # a ref (ref mode, or inside a step): written in place
+        x[...] = fill  # a ref (ref mode, or inside a step): written in place
         return x
 
     new = jax.tree_util.tree_map_with_path(one, model, is_leaf=is_state)
