@@ -222,66 +222,69 @@ def run_all(
     tail}`. `rounds`: passed to every benchmark as its `--rounds` (each takes
     one), or `None` for each one's default."""
     tmp = Path(tempfile.mkdtemp(prefix="eqx_state_bench_"))
-    # The benchmarks measure this checkout's eqx_state, whatever else is installed.
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        ),
-    )
-    if tiny:
-        # Halves a tiny run's time, most of which is compiling; it still checks
-        # every variant's numbers (its timings mean nothing anyway).
-        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-    pending = list(names)
-    running: dict[str, tuple[subprocess.Popen, Path, Any, float]] = {}
-    done: dict[str, dict[str, Any]] = {}
-    args_of: dict[str, list[str]] = {}
-    while pending or running:
-        while pending and len(running) < jobs:
-            name = pending.pop(0)
-            bench = BENCHES[name]
-            shown = [*(bench.tiny_args if tiny else bench.args)]
-            if rounds is not None:
-                shown += ["--rounds", str(rounds)]
-            argv = [*shown, "--out", str(out)]
-            args_of[name] = shown
-            cmd = [
-                sys.executable,
-                __file__,
-                "--_child",
-                name,
-                str(tmp / f"{name}.json"),
-            ]
-            log = open(tmp / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115
-            print(f"[run] {name}: {' '.join(argv)}", flush=True)
-            proc = subprocess.Popen(
-                [*cmd, *argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=_ROOT,
-                env=env,
-            )
-            running[name] = (proc, tmp / f"{name}.log", log, time.perf_counter())
-        for name, (proc, log_path, log, t0) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[name]
-            wall = time.perf_counter() - t0
-            if proc.returncode == 0:
-                done[name] = json.loads((tmp / f"{name}.json").read_text("utf-8"))
-                done[name]["args"] = args_of[name]  # the command line it ran with
-                print(f"[run] {name}: done in {wall:.0f} s", flush=True)
-            else:
-                tail = log_path.read_text("utf-8").strip().splitlines()[-25:]
-                done[name] = {"error": "\n".join(tail)}
-                print(
-                    f"[run] {name}: FAILED (exit {proc.returncode}) after "
-                    f"{wall:.0f} s:\n" + "\n".join(tail),
-                    flush=True,
+    try:
+        # The benchmarks measure this checkout's eqx_state, whatever else is installed.
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        )
+        if tiny:
+            # Halves a tiny run's time, most of which is compiling; it still checks
+            # every variant's numbers (its timings mean nothing anyway).
+            env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+        pending = list(names)
+        running: dict[str, tuple[subprocess.Popen, Path, Any, float]] = {}
+        done: dict[str, dict[str, Any]] = {}
+        args_of: dict[str, list[str]] = {}
+        while pending or running:
+            while pending and len(running) < jobs:
+                name = pending.pop(0)
+                bench = BENCHES[name]
+                shown = [*(bench.tiny_args if tiny else bench.args)]
+                if rounds is not None:
+                    shown += ["--rounds", str(rounds)]
+                argv = [*shown, "--out", str(out)]
+                args_of[name] = shown
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--_child",
+                    name,
+                    str(tmp / f"{name}.json"),
+                ]
+                log = open(tmp / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115
+                print(f"[run] {name}: {' '.join(argv)}", flush=True)
+                proc = subprocess.Popen(
+                    [*cmd, *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=_ROOT,
+                    env=env,
                 )
-        time.sleep(0.2)
+                running[name] = (proc, tmp / f"{name}.log", log, time.perf_counter())
+            for name, (proc, log_path, log, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[name]
+                wall = time.perf_counter() - t0
+                if proc.returncode == 0:
+                    done[name] = json.loads((tmp / f"{name}.json").read_text("utf-8"))
+                    done[name]["args"] = args_of[name]  # the command line it ran with
+                    print(f"[run] {name}: done in {wall:.0f} s", flush=True)
+                else:
+                    tail = log_path.read_text("utf-8").strip().splitlines()[-25:]
+                    done[name] = {"error": "\n".join(tail)}
+                    print(
+                        f"[run] {name}: FAILED (exit {proc.returncode}) after "
+                        f"{wall:.0f} s:\n" + "\n".join(tail),
+                        flush=True,
+                    )
+            time.sleep(0.2)
+    finally:  # the children's results and logs were read (a failure's tail kept)
+        shutil.rmtree(tmp, ignore_errors=True)
     return {name: done[name] for name in names}
 
 

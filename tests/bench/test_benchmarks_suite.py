@@ -266,6 +266,7 @@ def test_run_passes_rounds_to_every_benchmark(tmp_path, monkeypatch):
     # only the command lines are checked here.
     run = _load("run")
     seen: dict[str, list[str]] = {}
+    scratch: set[Path] = set()  # where the children write (removed after the run)
 
     class FakeProc:
         returncode = 0
@@ -273,6 +274,7 @@ def test_run_passes_rounds_to_every_benchmark(tmp_path, monkeypatch):
         def __init__(self, cmd, **kwargs):
             name, json_path = cmd[3], cmd[4]
             seen[name] = list(cmd[5:])
+            scratch.add(Path(json_path).parent)
             Path(json_path).write_text(json.dumps({"result": name}), "utf-8")
 
         def poll(self):
@@ -286,6 +288,7 @@ def test_run_passes_rounds_to_every_benchmark(tmp_path, monkeypatch):
     for name in names:
         assert seen[name][-4:-2] == ["--rounds", "41"], (name, seen[name])
         assert got[name]["args"][-2:] == ["--rounds", "41"]  # what the report shows
+    assert len(scratch) == 1 and not any(p.exists() for p in scratch)
     seen.clear()
     run.run_all(["many_cells"], False, tmp_path, 1)
     assert "--rounds" not in seen["many_cells"]
