@@ -613,7 +613,9 @@ def _eager_whole_write(ref: Any, new: Any) -> bool:
     and a committed input costs each call more (~0.1 us an array): a ref-mode model
     read or written between steps would lose the uncommitted arrays of a
     value-mode one. Only for a value of the array's shape and dtype, placed as the
-    array is (JAX's write would move it there). The copy is a new buffer, so a
+    array is (JAX's write would move it there), or uncommitted as the array is (a
+    value made on the default device for a model made under `jax.default_device`:
+    copied onto the array's device). The copy is a new buffer, so a
     step that donates the ref's array never consumes the caller's `new`."""
     if not (
         is_concrete_ref(ref)
@@ -623,14 +625,15 @@ def _eager_whole_write(ref: Any, new: Any) -> bool:
     ):
         return False
     old = ref_buffer(ref)
-    if (
-        new.shape != old.shape
-        or new.dtype != old.dtype
-        or new.committed != old.committed
-        or new.sharding != old.sharding
-    ):
+    if new.shape != old.shape or new.dtype != old.dtype:
         return False
-    copy = array_copy(new, declared_weak(ref))
+    if new.committed or old.committed:
+        if new.committed != old.committed or new.sharding != old.sharding:
+            return False
+        on = None
+    else:  # both uncommitted: copied onto the ref's device (where JAX would run)
+        on = old
+    copy = array_copy(new, declared_weak(ref), on)
     if copy is None:
         return False
     set_ref_buffer(ref, copy)

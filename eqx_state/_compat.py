@@ -256,9 +256,12 @@ def declared_weak(ref: Any) -> bool:
     return bool(jax.typeof(ref).inner_aval.weak_type)
 
 
-def array_copy(x: jax.Array, weak: bool) -> jax.Array | None:
+def array_copy(
+    x: jax.Array, weak: bool, on: jax.Array | None = None
+) -> jax.Array | None:
     """A copy of the concrete array `x` in a new buffer, weakly typed iff `weak`, on
-    `x`'s devices: an uncommitted `x` is copied on its own device, which need not be
+    `x`'s devices (`on`'s, an uncommitted array that `x`, uncommitted too, is to
+    replace): an uncommitted array is copied on its own device, which need not be
     the default one (a model made under `jax.default_device`). None for a strong
     `x` asked to be weak (public JAX cannot make it so)."""
     x_weak = jax.typeof(x).weak_type  # (a PRNG key array has no `weak_type`)
@@ -270,8 +273,8 @@ def array_copy(x: jax.Array, weak: bool) -> jax.Array | None:
             return jnp.array(x, dtype=x.dtype, copy=True)
     else:
         make = x.copy
-    with placed_as(x):
-        return make()  # runs where `x` is
+    with placed_as(x if on is None else on):
+        return make()  # runs where `x` (`on`) is
 
 
 @contextlib.contextmanager

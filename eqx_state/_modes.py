@@ -38,7 +38,9 @@ from ._compat import (
     Tracer,
     is_concrete_ref,
     placed_as,
+    ref_buffer,
     ref_identity,
+    ref_is_consumed,
     ref_value_copy,
     under_trace,
 )
@@ -281,6 +283,8 @@ def _witness(v: Any) -> jax.Array:
         if any(s is not None for s in getattr(sharding, "spec", ())):
             return jax.lax.full(shape, 0.0, _WITNESS_DTYPE, sharding=sharding)
         return _constant_witness(shape)
+    if is_concrete_ref(v) and not ref_is_consumed(v):  # where the ref's array is
+        v = ref_buffer(v)  # (JAX counts every ref as committed)
     if isinstance(v, jax.Array) and not v.committed:  # where `v` is (`placed_as`)
         with placed_as(v):
             w = jnp.zeros(shape, _WITNESS_DTYPE)

@@ -15,7 +15,7 @@ from _net import Net, loss_fn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_state as es
-from eqx_state import _compat
+from eqx_state import _compat, _modes
 
 
 LAYOUT = [
@@ -351,6 +351,18 @@ def test_a_reset_or_a_load_keeps_a_model_made_on_another_default_device_there(
     ]:
         assert _placements(new) == {(False, device)}
         assert jax.typeof(new["gain"]).weak_type
+    if mode == "ref":  # the witnesses a load's new refs get (`with_witnesses`)
+        again = _modes.with_witnesses(_modes.without_witnesses(model))
+        assert _placements(again) == {(False, device)}
+    # An eager write of a value made on the default device (ref mode: into the
+    # ref's array, on `device`) commits nothing, as in value mode: a step on data
+    # committed to the default device then runs (a committed cell refused it).
+    _, net = es.apply(lambda m: m.steps.increment(), model["net"])
+    assert {c for c, _ in _placements(net)} == {False}
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    x, y = (jax.device_put(jnp.ones(s), jax.devices()[0]) for s in [(8, 6), (8, 3)])
+    net, opt_state = step(net, step.init(net), x, y)
+    assert int(net.steps.count[...]) == 2 and step.trace_count == 1
 
 
 def test_a_weakly_typed_array_sharded_over_an_explicit_mesh_loads(tmp_path):
