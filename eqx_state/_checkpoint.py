@@ -224,14 +224,22 @@ def _read_ref(ref: Any, where: str) -> jax.Array:
 
 def refuse_tracer(caller: str, leaf: str, verb: str = "save") -> NoReturn:
     """The one refusal of a value that is a tracer (a save inside `jax.jit`), for
-    every persistence path and `es.state_dict` (`verb="export"`)."""
+    every persistence path, `es.state_dict` (`verb="export"`) and
+    `es.load_state_dict` (`verb="load"`: its checks read the values)."""
+    if verb == "load":
+        fix = (
+            "Load outside transformed code (the checks of a load read the values) "
+            "and pass the loaded model in."
+        )
+    else:
+        fix = (
+            "Save outside transformed code, on the values the transformed function "
+            "returns (a ref-mode model: after the call, which wrote its refs)."
+        )
     raise CheckpointError(
         f"Cannot {verb} the {leaf}: it is a tracer (`{caller}` was called "
         "inside `jax.jit`, `grad`, `vmap` or `eval_shape`, where the model's arrays, "
-        "and the values "
-        "of ref-mode cells closed over, are tracers). Save outside transformed code, "
-        "on the values the transformed function returns (a ref-mode model: after the "
-        "call, which wrote its refs)."
+        f"and the values of ref-mode cells closed over, are tracers). {fix}"
     )
 
 

@@ -30,7 +30,7 @@ from ._errors import (
     check_bool,
     stale_message,
 )
-from ._modes import refs_in
+from ._modes import model_path, refs_in
 from ._torch_names import (
     _SKIPPED,
     _Converter,
@@ -1003,6 +1003,13 @@ def load_state_dict(
             + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
             + "."
         )
+    for k, v in state_dict.items():
+        if isinstance(v, Tracer):
+            refuse_tracer("es.load_state_dict", f"state-dict entry {k!r}", "load")
+    for path, x in jax.tree_util.tree_flatten_with_path(model)[0]:
+        if isinstance(x, Tracer):
+            where = f"state dict into `{model_path(path)}`"
+            refuse_tracer("es.load_state_dict", where, "load")
     loader = _Loader(state_dict)
     new = loader.tree(model, "")
     unexpected = [k for k in state_dict if k not in loader.used]

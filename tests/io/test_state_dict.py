@@ -1197,3 +1197,25 @@ def test_an_unnamed_cell_in_a_sequential_is_named_once():
     )
     with pytest.raises(ValueError, match=r"a value: 1\.0\.count\. Build"):
         es.load_state_dict(deeper, {"1.0.w": np.zeros(3, np.float32)})
+
+
+def test_a_load_under_jit_is_refused_by_name():
+    """`load_state_dict` reads the values it checks (ranges, counts), so inside
+    `jax.jit` it failed with JAX's tracer errors (`TracerArrayConversionError`, or
+    a `ConcretizationTypeError` about `committed`), naming nothing of the model.
+    A traced model or a traced state-dict value is refused as `es.state_dict`
+    refuses one: the leaf or entry named, the fix said."""
+    model = Net(jax.random.key(0))
+    sd = es.state_dict(Net(jax.random.key(1)))
+    with pytest.raises(
+        es.CheckpointError, match=r"into `model\.conv\.layer\.weight`.*Load outside"
+    ):
+        eqx.filter_jit(lambda m: es.load_state_dict(m, sd))(model)
+    first = re.escape(repr(min(sd)))  # (jax.jit gives a dict back sorted)
+    with pytest.raises(es.CheckpointError, match=rf"state-dict entry {first}"):
+        jax.jit(lambda s: es.load_state_dict(model, s))(
+            {k: jnp.asarray(v) for k, v in sd.items()}
+        )
+    loaded = es.state_dict(es.load_state_dict(model, sd))  # outside: loads
+    for k, v in sd.items():
+        np.testing.assert_array_equal(np.asarray(loaded[k]), np.asarray(v))
