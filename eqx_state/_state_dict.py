@@ -30,7 +30,7 @@ from ._errors import (
     check_bool,
     stale_message,
 )
-from ._modes import model_path, refs_in
+from ._modes import refs_in
 from ._torch_names import (
     _SKIPPED,
     _Converter,
@@ -296,7 +296,9 @@ def _incoming(value: Any, name: str) -> Any:
     )
 
 
-def _fits(x: Any, dtype: np.dtype) -> bool:
+def _fits(x: Any, dtype: np.dtype, name: str) -> bool:
+    if isinstance(x, Tracer):  # its range cannot be read
+        refuse_tracer("es.load_state_dict", f"state-dict entry {name!r}", "load")
     info = np.iinfo(dtype)
     if x.size == 0:
         return True
@@ -325,7 +327,7 @@ def _checked(
         floats = jnp.issubdtype(have, jnp.floating) and jnp.issubdtype(
             dtype, jnp.floating
         )
-        if ints and _fits(x, dtype):
+        if ints and _fits(x, dtype, name):
             x = np.asarray(x).astype(dtype)
         elif floats and jnp.promote_types(have, dtype) == dtype:
             # exact: every value of the narrower float is one of the wider (a
@@ -372,6 +374,8 @@ def _check_count(value: Any, name: str) -> None:
     """A count of batches is never negative: PyTorch's `momentum=None` divides by
     it (-1 + 1 = 0 raised `ZeroDivisionError` there and would make every statistic
     NaN here, silently), and any negative count weighs the next batch wrongly."""
+    if isinstance(value, Tracer):  # its values cannot be read
+        refuse_tracer("es.load_state_dict", f"state-dict entry {name!r}", "load")
     low = int(np.min(np.asarray(value))) if np.size(value) else 0
     if low < 0:
         raise StateValueError(
@@ -463,6 +467,8 @@ def _placed(new: Any, old: Any, name: str | None = None) -> Any:
         placement_source(old) is None and not isinstance(old, jax.ShapeDtypeStruct)
     ):
         return new
+    if isinstance(new, Tracer):  # a load staged into a trace, into a concrete model
+        refuse_tracer("es.load_state_dict", f"value for {name or 'a leaf'}", "load")
     return put_as(new, old, where=name)
 
 
@@ -599,9 +605,9 @@ class _Loader:
         else:
             value, found, name = self.take(name, old)
         if found:
-            new = _loaded(value, name, old, _desc(cell), cell=True)
             if name.rpartition(".")[2] == "num_batches_tracked":
-                _check_count(new, name)
+                _check_count(_incoming(value, name), name)
+            new = _loaded(value, name, old, _desc(cell), cell=True)
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):
             # randomness, which PyTorch keeps outside its state dicts (Dropout
             # draws from the global generator): a stream of an abstract model
@@ -1003,13 +1009,6 @@ def load_state_dict(
             + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
             + "."
         )
-    for k, v in state_dict.items():
-        if isinstance(v, Tracer):
-            refuse_tracer("es.load_state_dict", f"state-dict entry {k!r}", "load")
-    for path, x in jax.tree_util.tree_flatten_with_path(model)[0]:
-        if isinstance(x, Tracer):
-            where = f"state dict into `{model_path(path)}`"
-            refuse_tracer("es.load_state_dict", where, "load")
     loader = _Loader(state_dict)
     new = loader.tree(model, "")
     unexpected = [k for k in state_dict if k not in loader.used]
