@@ -605,9 +605,11 @@ class _Loader:
         else:
             value, found, name = self.take(name, old)
         if found:
-            if name.rpartition(".")[2] == "num_batches_tracked":
-                _check_count(_incoming(value, name), name)
             new = _loaded(value, name, old, _desc(cell), cell=True)
+            if name.rpartition(".")[2] == "num_batches_tracked":
+                # the value given, checked (shape, dtype) above: `new` is a
+                # tracer where the model's cell is (a jit argument)
+                _check_count(_incoming(value, name), name)
         elif isinstance(old, jax.ShapeDtypeStruct) and isinstance(cell, RngState):
             # randomness, which PyTorch keeps outside its state dicts (Dropout
             # draws from the global generator): a stream of an abstract model

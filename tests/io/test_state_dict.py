@@ -183,6 +183,9 @@ def test_a_negative_batch_count_is_refused(mode):
             es.load_state_dict(model, sd)
         assert isinstance(e.value, es.EqxStateError)
     assert int(model.bn1d.num_batches_tracked[...]) == 0
+    sd["bn1d.num_batches_tracked"] = torch.tensor(float("nan"))  # its dtype first
+    with pytest.raises(TypeError, match=r"Dtype mismatch for `bn1d\.num_batches_t"):
+        es.load_state_dict(model, sd)
     sd["bn1d.num_batches_tracked"] = torch.tensor(0)  # 0 and up load
     assert int(es.load_state_dict(model, sd).bn1d.num_batches_tracked[...]) == 0
 
