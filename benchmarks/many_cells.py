@@ -48,6 +48,8 @@ LIMIT = "eqx_jit"
 # issue 23: ref mode's slope at most this × value mode's (run.py's ISSUE23_SLOPE,
 # which its summary applies to the same difference)
 ISSUE23_SLOPE = 1.10
+# The A/A control (`step_overhead.EsValueAgain`): es_value again, a second instance
+CONTROL = "es_value_again"
 
 
 def _step_overhead() -> Any:
@@ -80,7 +82,9 @@ def fit(by_n: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     }
     if all(LIMIT in rows for rows in by_n.values()):
         vs = stats.fit_many(by_n, LIMIT)
-        out[LIMIT] = {k: v for k, v in vs.items() if k.startswith("es_")}
+        out[LIMIT] = {
+            k: v for k, v in vs.items() if k.startswith("es_") and k != CONTROL
+        }
     if all("es_ref" in rows and "es_value" in rows for rows in by_n.values()):
         # issue 23: ref mode's extra cost per BatchNorm over value mode's, from the
         # same-round difference (the load both share does not widen its interval)
@@ -88,6 +92,12 @@ def fit(by_n: dict[int, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         ref_value = stats.fit_many(by_n, "es_value").get("es_ref")
         if ref_value is not None:
             out["ref_value"] = ref_value
+        if all(CONTROL in rows for rows in by_n.values()):
+            # the same fit for two instances of one variant: what the harness
+            # reads for a difference of nothing
+            control = stats.fit_many(by_n, "es_value").get(CONTROL)
+            if control is not None:
+                out["control"] = control
     return out
 
 
@@ -203,7 +213,20 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
             "",
             *_step_overhead().stats.markdown_table(
                 growth_header,
-                [_growth_row("es_ref − es_value", fits["ref_value"], " µs/BN")],
+                [
+                    _growth_row("es_ref − es_value", fits["ref_value"], " µs/BN"),
+                    *(
+                        [
+                            _growth_row(
+                                f"A/A control: {CONTROL} − es_value",
+                                fits["control"],
+                                " µs/BN",
+                            )
+                        ]
+                        if "control" in fits
+                        else []
+                    ),
+                ],
             ),
             "",
             f"Limit: {ISSUE23_SLOPE - 1:.2f} × es_value's slope over pure JAX "
@@ -211,6 +234,15 @@ def markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
             + _step_overhead().stats.verdict(fits["ref_value"]["slope_ci"], limit),
             "",
         ]
+        if "control" in fits:
+            lines += [
+                f"The A/A control (`{CONTROL}`: es_value's step, a second instance, "
+                "timed as a variant of its own) differs from es_value by nothing "
+                "but the harness (the instance, its place in the round): the "
+                "interval of its slope is how finely this harness resolves the "
+                "slope of a same-round difference.",
+                "",
+            ]
     lines += [
         "## Compile time (first call, s)",
         "",

@@ -115,6 +115,7 @@ BENCHES: dict[str, Bench] = {
             "--variants",
             "es_value",
             "es_ref",
+            "es_value_again",
             "eqx_jit",
             "equinox",
             "nnx_jit_partial",
@@ -629,10 +630,17 @@ def _ref_slope_cell(by_n, value_slope: float) -> str:
     if ref_b is None or diff is None:
         return "not measured"
     limit = (ISSUE23_SLOPE - 1) * value_slope
+    control = _growth(by_n, "es_value_again", "es_value")
     return (
         f"{stats.fmt_interval(ref_b['slope'], ref_b['slope_ci'], ' µs/BN')}; "
         f"ref − value: {stats.fmt_interval(diff['slope'], diff['slope_ci'], ' µs/BN')}"
         f" (limit {limit:.2f}) {stats.verdict(diff['slope_ci'], limit)}"
+        + (
+            ""
+            if control is None
+            else "; A/A control (es_value, a second instance − es_value): "
+            + stats.fmt_interval(control["slope"], control["slope_ci"], " µs/BN")
+        )
     )
 
 

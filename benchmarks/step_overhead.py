@@ -514,6 +514,24 @@ class EsRef(EsValue):
         return es.to_refs(model)
 
 
+class EsValueAgain(EsValue):
+    """The A/A control of the many-cells benchmark: `es_value` again, a second
+    instance built, checked and timed as a variant of its own. Its same-round
+    difference to `es_value` measures nothing but the harness (two instances, two
+    places in a round), so the interval of its slope is the resolution of every
+    same-round difference's slope, ref − value among them."""
+
+    name = "es_value_again"
+    label = "es_value again: a second instance (the A/A control)"
+    usage = DIAGNOSTIC
+    form = "the step of es_value, a second instance"
+    source = "many_cells.py (the resolution of a same-round difference)"
+
+    @classmethod
+    def default_for(cls, size: Size) -> bool:
+        return size.residual  # the many-cells sizes only
+
+
 def _is_many_steps_size(size: Size) -> bool:
     """The sizes where issue 16 asks for `step.scan` rows: the small MLP (and its
     tiny stand-in) and the many-cells models (residual)."""
@@ -1188,6 +1206,7 @@ VARIANTS: dict[str, type[Runner]] = {
         PureJax,
         EsValue,
         EsRef,
+        EsValueAgain,
         EsScan10,
         EsScan100,
         EsOwned,
