@@ -139,12 +139,22 @@ class _Static:
 class _OutSpec:
     """What one trace learned about its outputs (travels back inside `_Static`)."""
 
-    __slots__ = ("ret_pos", "static_out", "result_static", "_gather", "_refbufs")
+    __slots__ = (
+        "ret_pos",
+        "static_out",
+        "result_static",
+        "kept",
+        "_gather",
+        "_refbufs",
+    )
 
     def __init__(self, ret_pos, static_out, result_static):
         self.ret_pos = ret_pos
         self.static_out = static_out
         self.result_static = result_static
+        # the carry positions whose new leaf is the caller's own (set with the
+        # gather): a ref-mode cell's ref and witness, an unchanged static leaf
+        self.kept: frozenset[int] = frozenset()
         self._gather: Any = None
         self._refbufs: Any = None
 
@@ -164,6 +174,10 @@ class _OutSpec:
                 if i not in kept:
                     src[i] = n + j
             gather = self._gather = _getter(tuple(src))
+            replaced = {i for i, _ in self.static_out}
+            self.kept = frozenset(
+                i for i in range(n) if src[i] == i and i not in replaced
+            )
             self._refbufs = _getter(tuple(self.ret_pos.index(i) for i in keep))
         out = gather([*carry_leaves, *ret])
         for i, v in self.static_out:
@@ -682,25 +696,34 @@ class Compiled:
         by one function generated for the remembered structure
         (`_rebuild.rebuilder`: the objects `treedef.unflatten` builds, the same
         static values), made before the call runs (it never raises). Making it
-        costs some tens of unflattens, which a short loop would not win back."""
+        costs some tens of unflattens, which a short loop would not win back.
+        A module of the carry whose leaves the call returns as they were given
+        (`_OutSpec.kept`: a ref-mode cell's ref and witness) is the given
+        carry's own module (see `rebuilder`'s `kept`): the object a rebuild would
+        make, without making it."""
         with GcPaused():
             last = self._last
             known = last is not None and _same(carry, last[0])
             build: Any = 0  # the rebuild, or how many calls the loop has made
+            kept: Any = None
             if known:
-                leaves, treedef, build = last[1], last[2], last[4]  # type: ignore[index]
+                leaves, treedef, build, kept = last[1], last[2], last[4], last[5]  # type: ignore[index]
                 if build == _REBUILD_AFTER:
-                    build = rebuilder(treedef) or treedef.unflatten
+                    build = rebuilder(treedef, kept) or _unflatten(treedef)
             else:
                 leaves, treedef = jax.tree_util.tree_flatten(carry)
-            new_leaves, result = self.call_flat(
+            new_leaves, result, now_kept = self.call_flat(
                 leaves, treedef, args, kwargs, known=known
             )
             if type(build) is int:
                 new, build = treedef.unflatten(new_leaves), build + 1
-            else:
-                new = build(new_leaves)
-            self._remember(new, new_leaves, treedef, True if known else None, build)
+            elif now_kept is kept or now_kept == kept:
+                new = build(new_leaves, carry)
+            else:  # another plan's outputs (other statics): count again for them
+                new, build = treedef.unflatten(new_leaves), 1
+            self._remember(
+                new, new_leaves, treedef, True if known else None, build, now_kept
+            )
             return new, result
 
     def _remember(
@@ -710,6 +733,7 @@ class Compiled:
         treedef: Any,
         frozen: bool | None,
         build: Any,
+        kept: frozenset[int],
     ) -> None:
         """Keep `new` (the carry a call returned) with its leaves for the next
         call (see `call`), when its structure is immutable and no outer
@@ -720,7 +744,8 @@ class Compiled:
         `frozen`: already known for `treedef` (the remembered one: it was frozen),
         or `None` (looked up here; hashing a structure walks all its nodes).
         `build`: the rebuild of this very `treedef` (its static values), or the
-        number of calls the loop has made (see `call`)."""
+        number of calls the loop has made (see `call`); `kept`: the positions
+        whose leaf the call returned as given (`_OutSpec.kept`)."""
         self._last = None
         if frozen is None:
             frozen = self._frozen.get(treedef)
@@ -729,7 +754,7 @@ class Compiled:
         if frozen and not under_trace():
             refs: list = []
             skeleton = _skeleton(new, self._forget, refs)
-            self._last = (skeleton, tuple(leaves), treedef, refs, build)
+            self._last = (skeleton, tuple(leaves), treedef, refs, build, kept)
 
     def call_flat(
         self,
@@ -740,8 +765,10 @@ class Compiled:
         lower: bool = False,
         known: bool = False,
     ) -> Any:
-        """The call on a flattened carry: returns the new carry's leaves and the
-        result. The one path of every runner (see the module docstring). `known`:
+        """The call on a flattened carry: returns the new carry's leaves, the
+        result, and the positions whose new leaf is the given one
+        (`_OutSpec.kept`). The one path of every runner (see the module
+        docstring). `known`:
         `carry_leaves` are the very leaves the previous call returned (a loop's
         carry), whose refs that call checked."""
         arg_leaves, arg_td = jax.tree_util.tree_flatten((args, kwargs))
@@ -872,8 +899,8 @@ class Compiled:
             else:
                 set_ref_buffers(cells, news)
         if spec.result_static is None:
-            return out, result_dyn
-        return out, eqx.combine(result_dyn, spec.result_static)
+            return out, result_dyn, spec.kept
+        return out, eqx.combine(result_dyn, spec.result_static), spec.kept
 
     def _note_numbers(self, sig: _Signature, statics: tuple, leaves: list) -> None:
         """A new plan for a signature that has one: warn (once) when a static
@@ -983,6 +1010,11 @@ def _same(x: Any, skeleton: Any) -> bool:
             and all(map(_same, x, items))
         )
     return x is skeleton[1]
+
+
+def _unflatten(treedef: Any) -> Callable[[Sequence[Any], Any], Any]:
+    """`treedef.unflatten`, called as a rebuild is (`Compiled.call`)."""
+    return lambda leaves, _: treedef.unflatten(leaves)
 
 
 def _frozen_structure(treedef: Any) -> bool:
@@ -1126,7 +1158,7 @@ class Owned:
         if self._settings:
             self._read_settings()
         with GcPaused():
-            self._leaves, result = self._compiled.call_flat(
+            self._leaves, result, _ = self._compiled.call_flat(
                 self._leaves, self._treedef, args, kwargs, known=self._known
             )
         self._known = True  # the leaves the call returned (see `call_flat`)

@@ -40,9 +40,10 @@ bound to its own static values)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -155,19 +156,45 @@ def every_node_type(treedef: Any, accept: Callable[[type], bool]) -> bool:
 
 
 class _Writer:
-    """Generates the body of `build(L)` for a pair of probes."""
+    """Generates the body of `build(L)` (`build(L, C)` with `kept`) for a pair of
+    probes."""
 
-    def __init__(self):
+    def __init__(self, kept: frozenset[int] | None = None):
         self.lines: list[str] = []
         self.consts: list[Any] = []
         self.seen: set[int] = set()
+        self.kept = kept
+        self.codes: dict[tuple, str] = {("C",): "C"}  # a path in `C` -> its code
+
+    def code(self, path: tuple) -> str:
+        """Code for the node at `path` of the old carry `C`: `("C",)`, or
+        `(parent, j)` for item `j` of a tuple, `(parent, (j,))` of a named tuple
+        (read with `tuple.__getitem__`: not a `__getitem__` of its own), or
+        `(parent, name)` for a module's field (its `__dict__` fetched once into a
+        local, by the first node reused below it)."""
+        code = self.codes.get(path)
+        if code is None:
+            parent, key = path
+            if type(key) is int:  # an item of a plain tuple
+                code = f"{self.code(parent)}[{key}]"
+            elif type(key) is tuple:  # of a named tuple: not its own `__getitem__`
+                code = f"item({self.code(parent)}, {key[0]})"
+            else:
+                d = self.codes.get((parent, None))
+                if d is None:
+                    d = self.codes[(parent, None)] = f"c{len(self.codes)}"
+                    self.lines.append(f"{d} = get({self.code(parent)}, '__dict__')")
+                code = f"{d}[{key!r}]"
+            self.codes[path] = code
+        return code
 
     def const(self, x: Any) -> str:
         self.consts.append(x)
         return f"K{len(self.consts) - 1}"
 
-    def expr(self, u: Any, v: Any) -> str:
-        """Code for the object `u` (first probe; `v` the same in the second)."""
+    def expr(self, u: Any, v: Any, path: tuple | None = None) -> str:
+        """Code for the object `u` (first probe; `v` the same in the second);
+        `path`: where the same node is in the old carry (with `kept`)."""
         tu = type(u)
         if tu is _Marker:
             if type(v) is not _Marker or v.i != u.i or u.i in self.seen:
@@ -181,13 +208,27 @@ class _Writer:
         if tu is tuple or (_known_node_type(tu) and not issubclass(tu, eqx.Module)):
             if len(u) != len(v):
                 raise _NotPlain
-            items = "".join(f"{self.expr(a, b)}, " for a, b in zip(u, v))
+            items = "".join(
+                f"{self.expr(a, b, None if path is None else (path, j if tu is tuple else (j,)))}, "
+                for j, (a, b) in enumerate(zip(u, v))
+            )
             return f"({items})" if tu is tuple else f"{self.const(tu)}({items})"
         if issubclass(tu, eqx.Module) and _known_node_type(tu):
             du, dv = _get(u, "__dict__"), _get(v, "__dict__")
             if list(du) != list(dv):
                 raise _NotPlain
-            values = [self.expr(du[k], dv[k]) for k in du]
+            if path is not None:
+                below = _markers(u)
+                if self.kept is not None and below is not None and below <= self.kept:
+                    # Every leaf below is the old carry's own: the old node is
+                    # what this code would build (see `rebuilder`)
+                    if below & self.seen:
+                        raise _NotPlain
+                    self.seen |= below
+                    return self.code(path)
+            values = [
+                self.expr(du[k], dv[k], None if path is None else (path, k)) for k in du
+            ]
             var = f"o{len(self.lines)}"
             self.lines.append(f"{var} = new({self.const(tu)})")
             if du:
@@ -197,16 +238,73 @@ class _Writer:
         raise _NotPlain
 
 
-def rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
+def _markers(x: Any) -> set[int] | None:
+    """The positions of the markers in the probe node `x` (tuples and modules
+    walked; any other value holds none), or None if a module in it is not of a
+    reusable type (`_reusable`)."""
+    out: set[int] = set()
+    todo = [x]
+    while todo:
+        y = todo.pop()
+        if type(y) is _Marker:
+            out.add(y.i)
+        elif isinstance(y, tuple):
+            todo.extend(y)
+        elif isinstance(y, eqx.Module):
+            if not _reusable(type(y)):
+                return None
+            todo.extend(_get(y, "__dict__").values())
+    return out
+
+
+_REUSABLE: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _reusable(cls: type) -> bool:
+    """Whether a module of type `cls` may be kept from the old carry: no class of
+    its method resolution order has a `functools.cached_property`, which writes
+    into the instance's `__dict__` when first read (Equinox allows it; a module
+    refuses every other attribute assignment). A kept module would carry that
+    value, computed from the old carry, into the new one (a fresh module reads it
+    again), and a `__dict__` with more keys than fields flattens differently."""
+    ok = _REUSABLE.get(cls)
+    if ok is None:
+        ok = _REUSABLE[cls] = not any(
+            isinstance(v, functools.cached_property)
+            for c in cls.__mro__
+            for v in c.__dict__.values()
+        )
+    return ok
+
+
+def rebuilder(
+    treedef: Any, kept: frozenset[int] | None = None
+) -> Callable[..., Any] | None:
     """A function equivalent to `treedef.unflatten` (see the module docstring), or
-    `None` where the structure has a node it does not rebuild. Never raises."""
+    `None` where the structure has a node it does not rebuild. Never raises.
+
+    With `kept` (leaf positions), the function is `build(L, C)`: `C` is an
+    object of this structure (the carry the previous call returned) whose leaf at
+    each position in `kept` is `L`'s. A module node all of whose leaves are at
+    positions in `kept` (a ref-mode cell: its ref and shape witness; a module with
+    no leaves) is then `C`'s node at the same place, not a new one. That is
+    exactly what a new one would be: `C`'s node was built from this `treedef`
+    (the same static values) and the same leaf objects, into a `__dict__` of the
+    same keys in the same order, and it cannot have changed since: a module
+    refuses attribute assignment, and a module type with a
+    `functools.cached_property` (which writes into the instance's `__dict__`, as
+    Equinox allows) is never kept, nor a module holding one (`_reusable`). Only
+    its identity differs: the new
+    carry shares that node with `C`, as it already shares its leaves (a ref-mode
+    cell's ref). This saves building such nodes and freeing the old ones, per
+    call (a ref-mode model's cells)."""
     try:
-        return _rebuilder(treedef)
+        return _rebuilder(treedef, kept)
     except Exception:  # a node that refuses markers, a structure too deep...
         return None
 
 
-def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
+def _rebuilder(treedef: Any, kept: frozenset[int] | None) -> Callable[..., Any] | None:
     # the node types first, before any unflatten runs: a probe would run user
     # code (e.g. a named tuple's own `__new__`) on markers
     if not every_node_type(treedef, _known_node_type):
@@ -214,14 +312,14 @@ def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
     n = treedef.num_leaves
     first = treedef.unflatten([_Marker(i) for i in range(n)])
     second = treedef.unflatten([_Marker(i) for i in range(n)])
-    writer = _Writer()
+    writer = _Writer(kept)
     try:
-        root = writer.expr(first, second)
+        root = writer.expr(first, second, None if kept is None else ("C",))
     except _NotPlain:
         return None
     if len(writer.seen) != n:
         return None
-    source = "def build(L):\n" + "".join(
+    source = f"def build(L{'' if kept is None else ', C'}):\n" + "".join(
         f"    {line}\n" for line in (*writer.lines, f"return {root}")
     )
     code = _CODE.get(source)
@@ -229,14 +327,39 @@ def _rebuilder(treedef: Any) -> Callable[[Sequence[Any]], Any] | None:
         if len(_CODE) >= _CODE_LIMIT:
             _CODE.clear()
         code = _CODE[source] = compile(source, f"<rebuild of {n} leaves>", "exec")
-    namespace: dict[str, Any] = {"new": _new, "get": _get}
+    namespace: dict[str, Any] = {"new": _new, "get": _get, "item": tuple.__getitem__}
     namespace.update((f"K{j}", x) for j, x in enumerate(writer.consts))
     exec(code, namespace)
     build = namespace.pop("build")  # (not kept in its own globals: no cycle)
     markers = [_Marker(i) for i in range(n)]
-    if not _alike(build(markers), treedef.unflatten(markers)):  # pragma: no cover
-        return None  # a guard: the node types checked above are built this way
+    if kept is None:
+        if not _alike(build(markers), treedef.unflatten(markers)):  # pragma: no cover
+            return None  # a guard: the node types checked above are built this way
+        return build
+    old = treedef.unflatten(markers)
+    if not _alike_reusing(build(markers, old), treedef.unflatten(markers), old, kept):
+        return None  # pragma: no cover - a guard, as above
     return build
+
+
+def _alike_reusing(x: Any, y: Any, old: Any, kept: frozenset[int]) -> bool:
+    """`_alike(x, y)`, where a module node of `x` may also be the very node of
+    `old` at its place, when all its leaves are at positions in `kept`."""
+    if isinstance(x, eqx.Module) and x is old:
+        below = _markers(x)
+        return below is not None and below <= kept and _alike(x, y)
+    if type(x) is _Marker or x is y or type(x) is not type(y):
+        return _alike(x, y)
+    if isinstance(x, tuple):
+        return len(x) == len(y) == len(old) and all(
+            map(lambda a, b, c: _alike_reusing(a, b, c, kept), x, y, old)
+        )
+    if not isinstance(x, eqx.Module):
+        return False
+    dx, dy, do = _get(x, "__dict__"), _get(y, "__dict__"), _get(old, "__dict__")
+    return list(dx) == list(dy) == list(do) and all(
+        _alike_reusing(dx[k], dy[k], do[k], kept) for k in dx
+    )
 
 
 def _alike(x: Any, y: Any) -> bool:

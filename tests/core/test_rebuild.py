@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import pickle
 from typing import Any, NamedTuple
 
@@ -350,13 +351,39 @@ def test_a_loop_keeps_its_own_static_values():
                 assert model.scale is scale
 
 
+def _built_alike_or_kept(x, y, old, shared, reused):
+    """`_built_alike(x, y, shared)`, except that a module of `x` may be the very
+    module of `old` (the carry the call was given) at its place, if its leaves
+    are the same objects as unflatten's there (appended to `reused`)."""
+    if isinstance(x, eqx.Module) and x is old:
+        got, want = jax.tree.leaves(x), jax.tree.leaves(y)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+        assert jax.tree.structure(x) == jax.tree.structure(y)
+        reused.append(x)
+        return True
+    if any(x is s for s in shared) or x is None or (type(x) is tuple and not x):
+        return _built_alike(x, y, shared)
+    assert x is not y and x is not old
+    assert type(x) is type(y)
+    if isinstance(x, tuple):
+        return all(
+            _built_alike_or_kept(a, b, c, shared, reused) for a, b, c in zip(x, y, old)
+        )
+    dx, dy, do = (object.__getattribute__(z, "__dict__") for z in (x, y, old))
+    assert list(dx) == list(dy)
+    return all(_built_alike_or_kept(dx[k], dy[k], do[k], shared, reused) for k in dx)
+
+
 @pytest.mark.parametrize("mode", ["value", "ref"])
 def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
     """Once it has made `_REBUILD_AFTER` calls, a step loop rebuilds its carry (not
     the fallback) for a model with every kind of state: each carry it returns is
     built as JAX's unflatten of the same leaves builds it, and the numbers are those
     of the same step unflattening with JAX (the runners' numbers against a
-    hand-threaded loop: `test_runners`)."""
+    hand-threaded loop: `test_runners`). A module whose leaves the call returns as
+    given (a ref-mode cell: its ref and witness) may be the given carry's own: the
+    same leaves at the same place, so what unflatten builds from them is equal to
+    it; in ref mode every cell is."""
     from tests.core.test_runners import data, loss_fn
 
     step = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
@@ -366,7 +393,9 @@ def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
     assert isinstance(compiled, Compiled)
     xs, ys = data()
     calls = [(xs[i % len(xs)], ys[i % len(ys)]) for i in range(_REBUILD_AFTER + 3)]
+    cells = sum(map(es.is_state, jax.tree.leaves(model, is_leaf=es.is_state)))
     for i, (x, y) in enumerate(calls):
+        given = (model, opt_state)
         model, opt_state = step(model, opt_state, x, y)
         build = compiled._last[4]
         if i < _REBUILD_AFTER:
@@ -376,9 +405,20 @@ def test_a_step_rebuilds_its_carry_as_unflatten_does(mode, monkeypatch):
         leaves, treedef = compiled._last[1], compiled._last[2]  # what it was built from
         want = treedef.unflatten(leaves)
         got = (model, opt_state)
-        assert _built_alike(got, want, [*leaves, *_statics(want)])
+        reused: list = []
+        assert _built_alike_or_kept(
+            got, want, given, [*leaves, *_statics(want)], reused
+        )
+        kept_cells = sum(  # the cells in or at the kept modules
+            sum(map(es.is_state, jax.tree.leaves(m, is_leaf=es.is_state)))
+            for m in reused
+        )
+        if mode == "ref":  # every cell (a layer all of whose leaves are refs too)
+            assert kept_cells == cells > 0, {type(m) for m in reused}
+        else:
+            assert kept_cells == 0, {type(m) for m in reused}
     # against the same step with the rebuild turned off (JAX's unflatten)
-    monkeypatch.setattr(_dispatch, "rebuilder", lambda treedef: None)
+    monkeypatch.setattr(_dispatch, "rebuilder", lambda treedef, kept=None: None)
     plain = es.make_step(loss_fn, optax.adam(1e-2), donate=False)
     ref_model = _net(mode)
     ref_state = plain.init(ref_model)
@@ -410,3 +450,183 @@ def test_a_rebuilt_model_copies_and_pickles():
     assert hash(jax.tree_util.tree_structure(model)) == hash(
         jax.tree_util.tree_structure(copy.deepcopy(model))
     )
+
+
+@pytest.mark.parametrize("mode", ["value", "ref"])
+def test_a_loop_whose_calls_keep_different_leaves_matches_pytorch(mode):
+    """A model rebuilt from the carry it was given keeps the given carry's
+    modules only where the call returned their leaves as given. Here a static
+    argument alternates between a call that writes the BatchNorm's statistics
+    (training) and one that writes nothing (evaluation: without donation, value
+    mode returns the cells as given), past `_REBUILD_AFTER` calls of each, in runs
+    and one at a time: a rebuild made for the calls that keep the cells must not
+    serve the calls that write them. Reference: `torch.nn.BatchNorm1d` given the
+    same batches in the same modes (the learning rate is 0: the weights stay)."""
+    import torch
+
+    def loss_fn(model, x, train):
+        bn = model if train else es.inference_mode(model)
+        return jnp.mean(bn(x) ** 2)
+
+    step = es.make_step(loss_fn, optax.sgd(0.0), donate=False)
+    model = es.nn.BatchNorm(3)
+    model = es.to_refs(model) if mode == "ref" else model
+    opt_state = step.init(model)
+    tbn = torch.nn.BatchNorm1d(3).double()
+    rng = np.random.default_rng(0)
+    pattern = [False] * 6 + [True] * 6 + [False, True] * 4 + [True] * 5 + [False] * 3
+    for train in pattern:
+        x = rng.normal(2.0, 3.0, (5, 3)).astype(np.float32)
+        given = model
+        model, opt_state = step(model, opt_state, jnp.asarray(x), train)
+        tbn.train(train)
+        tbn(torch.from_numpy(x.astype(np.float64)))
+        np.testing.assert_allclose(
+            np.asarray(model.running_mean[...]), tbn.running_mean.numpy(), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.asarray(model.running_var[...]), tbn.running_var.numpy(), rtol=1e-5
+        )
+        assert int(model.num_batches_tracked[...]) == int(tbn.num_batches_tracked)
+        if mode == "value" and train:  # the cells a call wrote are new modules
+            assert model.running_mean is not given.running_mean
+
+
+class _Ids(eqx.Module):
+    ids: jax.Array
+
+
+class _WithIds(eqx.Module):
+    w: jax.Array
+    sub: _Ids
+
+
+def test_a_rebuild_for_one_plan_does_not_serve_another():
+    """Which carry leaves a call returns as given depends on its plan: an integer
+    array (not a parameter) is donated and returned anew, except in a call given
+    that very array as an argument too (an array is not donated where the call
+    also reads it as an argument), where the call returns it as given and the
+    module holding it is the given one. A loop that switches plans after its
+    rebuild was made must not keep that module from the given carry: its array
+    was donated (deleted). Reference: NumPy (the array's values) and JAX's
+    `is_deleted`."""
+
+    def loss_fn(m, x, ids):
+        return jnp.mean((m.w * x) ** 2) + 0.0 * jnp.sum(ids) + 0.0 * jnp.sum(m.sub.ids)
+
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    model = _WithIds(jnp.ones(3), _Ids(jnp.arange(3)))
+    opt_state = step.init(model)
+    kept = 0
+    w = np.ones(3, np.float32)
+    for same in [True] * (_REBUILD_AFTER + 3) + [False, False, True, False, True]:
+        given = model
+        arg = model.sub.ids if same else jnp.arange(3)
+        model, opt_state = step(model, opt_state, jnp.ones(3), arg)
+        w = w - 0.1 * (2 * w / 3)
+        kept += model.sub is given.sub
+        assert not model.sub.ids.is_deleted()
+        np.testing.assert_array_equal(model.sub.ids, np.arange(3))
+        np.testing.assert_allclose(model.w, w, rtol=1e-6)
+    assert kept > 0  # the rebuild kept the module where it could
+
+
+@pytest.mark.parametrize("name", list(_structures()))
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_a_rebuild_keeping_leaves_builds_what_unflatten_builds(name, share):
+    """`rebuilder(treedef, kept)`: given the old carry `C` whose leaves at `kept`
+    are the new ones, a module all of whose leaves are at `kept` is `C`'s own
+    (its leaves the same objects as unflatten's there); everything else is built
+    as unflatten builds it. Kept positions drawn at random, for every
+    structure."""
+    tree = _structures()[name]
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    rng = np.random.default_rng(len(name))
+    kept = frozenset(i for i in range(len(leaves)) if rng.random() < share)
+    build = rebuilder(treedef, kept)
+    assert build is not None, f"{name}: no rebuild"
+    new_leaves = [object() for _ in leaves]
+    old_leaves = [new_leaves[i] if i in kept else object() for i in range(len(leaves))]
+    old = treedef.unflatten(old_leaves)
+    got, want = build(new_leaves, old), treedef.unflatten(new_leaves)
+    reused: list = []
+    assert _built_alike_or_kept(got, want, old, [*new_leaves, *_statics(tree)], reused)
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    assert got_def == treedef
+    assert all(a is b for a, b in zip(got_leaves, new_leaves))
+    if share == 1.0 and isinstance(tree, eqx.Module):
+        assert got is old  # every leaf kept: the whole model is the old one
+
+
+class _Tally(eqx.Module):
+    n: es.Buffer
+
+    def __init__(self):
+        self.n = es.Buffer(jnp.zeros((), jnp.int32))
+
+    @functools.cached_property
+    def seen(self):  # computed once per module object, kept in its `__dict__`
+        return int(self.n[...])
+
+
+class _WithTally(eqx.Module):
+    w: jax.Array
+    tally: _Tally
+
+
+@pytest.mark.parametrize("read", ["each call", "once"])
+def test_a_module_with_a_cached_property_is_built_fresh(read):
+    """A `functools.cached_property` writes into the module's `__dict__` (Equinox
+    allows it). A ref-mode cell's module is otherwise kept from the carry given
+    to a step (its ref and witness are the given ones), but one with a cached
+    value would carry it, read from an older model, into the new one, and its
+    longer `__dict__` flattens differently: such a module is built fresh, as
+    unflatten builds it. Reference: the cell's count (the property read on each
+    new model gives the count it holds) and the structure of a fresh model."""
+
+    def loss_fn(m, x):
+        m.tally.n[...] = m.tally.n[...] + 1
+        return jnp.sum((m.w * x) ** 2)
+
+    model = es.to_refs(_WithTally(jnp.ones(2), _Tally()))
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    opt_state = step.init(model)
+    structure = jax.tree.structure(model)
+    for i in range(1, _REBUILD_AFTER + 5):
+        model, opt_state = step(model, opt_state, jnp.ones(2))
+        assert jax.tree.structure(model) == structure
+        if read == "each call" or i == _REBUILD_AFTER:
+            assert model.tally.seen == int(model.tally.n[...]) == i
+
+
+class _Indexed(NamedTuple):
+    a: Any
+    b: Any
+
+    def __getitem__(self, i):  # user code: never run by a step's rebuild
+        GETITEM_CALLS.append(i)
+        return tuple.__getitem__(self, i)
+
+
+GETITEM_CALLS: list = []
+
+
+def test_a_named_tuples_own_getitem_is_not_run():
+    """A module kept from the given carry is found through its parents; a named
+    tuple among them is read with `tuple.__getitem__`, not a `__getitem__` of its
+    own (user code a rebuild by unflatten does not run)."""
+
+    def loss_fn(m, x):
+        m.a.increment()
+        return jnp.sum((m.b * x) ** 2)
+
+    step = es.make_step(loss_fn, optax.sgd(0.1))
+    model = es.to_refs(_Indexed(es.nn.Counter(), jnp.ones(2)))
+    opt_state = step.init(model)
+    GETITEM_CALLS.clear()
+    for i in range(1, _REBUILD_AFTER + 4):
+        given = model
+        model, opt_state = step(model, opt_state, jnp.ones(2))
+        assert int(model.a.value) == i
+    assert model.a is given.a  # kept: found through the named tuple
+    assert GETITEM_CALLS == []
