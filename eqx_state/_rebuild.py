@@ -35,7 +35,11 @@ unflatten changed) `rebuilder` gives `None` and the caller uses
 `treedef.unflatten`; it never raises. The generated function is checked against
 `treedef.unflatten` on a third set of markers before it is returned (`_alike`),
 and its code is shared by every structure that generates the same source (each
-bound to its own static values)."""
+bound to its own static values).
+
+`rebuilder(treedef, kept)` generates `build(L, C)` instead, which takes the modules
+all of whose leaves are at the positions `kept` from `C`, the carry the previous
+call returned (see `rebuilder`)."""
 
 from __future__ import annotations
 
@@ -208,9 +212,15 @@ class _Writer:
         if tu is tuple or (_known_node_type(tu) and not issubclass(tu, eqx.Module)):
             if len(u) != len(v):
                 raise _NotPlain
+
+            def at(j: int) -> tuple | None:
+                """Where item `j` is in the old carry (see `code`)."""
+                if path is None:
+                    return None
+                return (path, j) if tu is tuple else (path, (j,))
+
             items = "".join(
-                f"{self.expr(a, b, None if path is None else (path, j if tu is tuple else (j,)))}, "
-                for j, (a, b) in enumerate(zip(u, v))
+                f"{self.expr(a, b, at(j))}, " for j, (a, b) in enumerate(zip(u, v))
             )
             return f"({items})" if tu is tuple else f"{self.const(tu)}({items})"
         if issubclass(tu, eqx.Module) and _known_node_type(tu):
@@ -294,10 +304,9 @@ def rebuilder(
     refuses attribute assignment, and a module type with a
     `functools.cached_property` (which writes into the instance's `__dict__`, as
     Equinox allows) is never kept, nor a module holding one (`_reusable`). Only
-    its identity differs: the new
-    carry shares that node with `C`, as it already shares its leaves (a ref-mode
-    cell's ref). This saves building such nodes and freeing the old ones, per
-    call (a ref-mode model's cells)."""
+    its identity differs: the new carry shares that node with `C`, as it already
+    shares its leaves (a ref-mode cell's ref). This saves building such nodes
+    and freeing the old ones, per call (a ref-mode model's cells)."""
     try:
         return _rebuilder(treedef, kept)
     except Exception:  # a node that refuses markers, a structure too deep...
