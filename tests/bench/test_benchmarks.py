@@ -323,3 +323,31 @@ def test_many_cells_fits_ref_against_value_only_over_two_sizes():
     fits = mc.fit({30: rows(30), 100: rows(100)})
     assert fits["ref_value"]["slope"] == pytest.approx(0.5)
     assert fits["pure_jax"]["es_value"]["slope"] == pytest.approx(2.0)
+
+
+def test_many_cells_fits_the_control_beside_ref_against_value():
+    """The A/A control (`es_value_again`, a second instance of es_value) gets the
+    same fit as ref − value, against es_value, and is left out of the growth
+    against `eqx_jit` (issue 11's limit is for eqx_state's own variants)."""
+    mc = _load("many_cells")
+
+    def rows(n):
+        base = [40 + 10 * n + j for j in (0.0, 3.0, -2.0)]
+        value = [t + 5 + 2.0 * n for t in base]
+        again = [t + 0.25 * n for t in value]
+        ref = [t + 1 + 0.5 * n for t in value]
+        return {
+            name: {"rounds_us": r, "blocking_rounds_us": r}
+            for name, r in (
+                ("pure_jax", base),
+                ("es_value", value),
+                ("es_ref", ref),
+                (mc.CONTROL, again),
+                ("eqx_jit", base),
+            )
+        }
+
+    fits = mc.fit({n: rows(n) for n in (1, 30, 100)})
+    assert fits["control"]["slope"] == pytest.approx(0.25)
+    assert fits["ref_value"]["slope"] == pytest.approx(0.5)
+    assert mc.CONTROL not in fits[mc.LIMIT]

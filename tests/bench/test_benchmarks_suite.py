@@ -167,6 +167,21 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
     row = _row(targets, "23", run.SIZES["cnn"])
     assert row[4] == "n/a"
     assert row[5] == f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], 1.10)}"
+    # the slope row reads ref − value, and shows the A/A control's beside it
+    row = _row(targets, "23", "many cells (1 to 3 BatchNorms)")
+    control = stats.growth(
+        {
+            n: (
+                by_n[n]["es_value_again"]["rounds_us"],
+                by_n[n]["es_value"]["rounds_us"],
+            )
+            for n in by_n
+        }
+    )
+    assert row[5].endswith(
+        "; A/A control (es_value, a second instance − es_value): "
+        + stats.fmt_interval(control["slope"], control["slope_ci"], " µs/BN")
+    )
     n_max = max(by_n)
     row = _row(targets, "23", f"compile time at {n_max} BatchNorms")
     for col, name in ((4, "es_value"), (5, "es_ref")):
