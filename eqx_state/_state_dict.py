@@ -40,13 +40,11 @@ from ._torch_names import (
     _items,
     _join,
     _path_name,
-    _sn_names,
     _stop,
     _view,
     torch_path_name,
 )
 from .nn._ema import EMA
-from .nn._spectral_norm import SpectralNorm
 
 
 def _is_key_dtype(dtype: Any) -> bool:
@@ -481,22 +479,6 @@ def _desc(leaf: Any) -> str:
     return "a parameter"
 
 
-def _note_spectral_dim(e: Exception, module: Any, local: str) -> None:
-    """A SpectralNorm's `u`/`v` of another size: most often `dim` given as
-    PyTorch counts it for a transposed convolution (whose weight PyTorch lays out
-    input axis first); ours counts the axes of Equinox's layout."""
-    if (
-        isinstance(module, SpectralNorm)
-        and local in _sn_names(module)[1:]
-        and str(e).startswith("Size mismatch")
-    ):
-        e.add_note(
-            f"(this SpectralNorm has dim={module.dim}, which counts the axes of "
-            "Equinox's weight layout, output axis first for every layer: PyTorch's "
-            "dim=1 of a transposed convolution is dim=0 here, its default)"
-        )
-
-
 def _key_impl(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):  # an abstract key: ask inside a trace
         box: list[Any] = []
@@ -651,8 +633,10 @@ class _Loader:
                 before = len(self.used)
                 try:
                     new[local] = self.array(full, value, where, alts)
-                except StateValueError as e:
-                    _note_spectral_dim(e, module, local)
+                except StateValueError as e:  # the conversion's hint, if it has one
+                    hint = conv.size_hint(module, local)
+                    if hint is not None and str(e).startswith("Size mismatch"):
+                        e.add_note(hint)
                     raise
                 loaded[local] = len(self.used) > before
             else:  # a cell, a sub-tree, None

@@ -62,6 +62,9 @@ class _Converter(NamedTuple):
     applies: Callable[[Any], bool]
     joint: Callable[[Any], Sequence[Sequence[str]]]
     aliases: Callable[[Any], Mapping[str, Sequence[str]]]
+    # `(module, local) -> note or None`: what a size mismatch of the local name
+    # most likely means (a built-in conversion's hint; not public)
+    size_hint: Callable[[Any, str], str | None] = lambda m, local: None
 
 
 _CONVERTERS: dict[type, _Converter] = {}
@@ -505,6 +508,19 @@ def _sn_from_torch(sn: Any, a: dict[str, Any]) -> Any:
     return eqx.tree_at(lambda s: (s.u, s.v), sn, new)
 
 
+def _sn_size_hint(sn: Any, local: str) -> str | None:
+    """`u`/`v` of another size: most often `dim` given as PyTorch counts it for a
+    transposed convolution (whose weight PyTorch lays out input axis first); ours
+    counts the axes of Equinox's layout."""
+    if local not in _sn_names(sn)[1:]:
+        return None
+    return (
+        f"(this SpectralNorm has dim={sn.dim}, which counts the axes of "
+        "Equinox's weight layout, output axis first for every layer: PyTorch's "
+        "dim=1 of a transposed convolution is dim=0 here, its default)"
+    )
+
+
 def _sn_aliases(sn: Any) -> dict[str, list[str]]:
     # `torch.nn.utils.spectral_norm` (the older API): weight_orig, weight_u, weight_v
     n = sn.weight_name
@@ -612,6 +628,7 @@ register_torch_names(
     lambda m, a: eqx.tree_at(lambda b: b.layer, m, a[""]),
 )
 register_torch_names(SpectralNorm, _sn_to_torch, _sn_from_torch, aliases=_sn_aliases)
+_CONVERTERS[SpectralNorm] = _CONVERTERS[SpectralNorm]._replace(size_hint=_sn_size_hint)
 register_torch_names(
     eqx.nn.WeightNorm,
     _wn_to_torch,
