@@ -167,6 +167,14 @@ def test_run_tiny_reports_every_benchmark(tmp_path):
     row = _row(targets, "23", run.SIZES["cnn"])
     assert row[4] == "n/a"
     assert row[5] == f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], 1.10)}"
+    # value mode within 1.05x eqx_jit at every size
+    s = run.ratio(steps["tiny_cnn"], "es_value", "eqx_jit")
+    row = _row(targets, "23", run.SIZES["cnn"], "value mode × `eqx_jit` (same rounds)")
+    assert row[3:] == [
+        "≤ 1.05×",
+        f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], 1.05)}",
+        "n/a",
+    ]
     # the slope row reads ref − value, and shows the A/A control's beside it
     row = _row(targets, "23", "many cells (1 to 3 BatchNorms)")
     control = stats.growth(
