@@ -171,6 +171,14 @@ COMPILE_TARGET = 1.2
 # against value mode's, and the compile time at the most BatchNorms
 ISSUE23_REF = 1.10
 ISSUE23_VALUE = 1.05  # value mode against `eqx_jit`, at every size
+# Issue 23's ratios are read from the blocking timings, whose calls are interleaved
+# one by one: two programs that differ by 1 % are told apart there, while pipelined
+# timings in blocks of steps differ by several % between two instances of one variant
+# (step_overhead._time_blocking). Blocking also shows a per-call Python cost in full,
+# where pipelining can hide it behind the previous step.
+ISSUE23_HOW = (
+    "verdict on the blocking timings, calls interleaved one by one; pipelined beside"
+)
 ISSUE23_SLOPE = 1.10
 SUBLINEAR = 1.0  # many cells: the log-log growth exponent's interval below this
 PEERS = ("Equinox", "Flax NNX")
@@ -440,6 +448,18 @@ def _ratio_cell(s: dict[str, Any] | None, limit: float, note: str = "") -> str:
     return f"{stats.fmt_ratio(s)} {stats.verdict(s['ci'], limit)}{note}"
 
 
+def _blocking_cell(rows, name: str, base: str, limit: float) -> str:
+    """`name` × `base` blocking (the verdict's) and pipelined (shown beside)."""
+    blocking = ratio(rows, name, base, prefix="blocking_")
+    if blocking is None:
+        return "not measured"
+    pipelined = ratio(rows, name, base)
+    return (
+        f"blocking: {_ratio_cell(blocking, limit)}; pipelined: "
+        f"{stats.fmt_ratio(pipelined)}"
+    )
+
+
 def _slope_cell(f: dict[str, Any] | None, limit: float) -> str:
     if f is None:
         return "not measured"
@@ -586,10 +606,10 @@ def targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[list[str]]:
             [
                 "23",
                 label,
-                "ref mode × value mode (same rounds)",
+                f"ref mode × value mode (same rounds; {ISSUE23_HOW})",
                 f"≤ {ISSUE23_REF:.2f}×",
                 "n/a",
-                _ratio_cell(ratio(got, "es_ref", "es_value"), ISSUE23_REF),
+                _blocking_cell(got, "es_ref", "es_value", ISSUE23_REF),
             ]
         )
     for size, label in SIZES.items():
@@ -598,9 +618,9 @@ def targets(payloads: dict[str, dict[str, Any]], tiny: bool) -> list[list[str]]:
             [
                 "23",
                 label,
-                f"value mode × `{LIMIT}` (same rounds)",
+                f"value mode × `{LIMIT}` (same rounds; {ISSUE23_HOW})",
                 f"≤ {ISSUE23_VALUE:.2f}×",
-                _ratio_cell(ratio(got, "es_value", LIMIT), ISSUE23_VALUE),
+                _blocking_cell(got, "es_value", LIMIT, ISSUE23_VALUE),
                 "n/a",
             ]
         )

@@ -36,11 +36,12 @@ BatchNorm running statistics after a few steps must match the hand-written refer
 nothing is timed otherwise. Then the variants are timed in interleaved rounds (the
 order rotated each round); in every round each variant is timed twice: *pipelined*
 (`--steps` calls between two `jax.block_until_ready`) and *blocking* (waiting for
-every call's result). The table reports per variant the median µs per step with the
-min-max over rounds, the median over rounds of the ratio to `pure_jax` timed in the
-same round with a bootstrap 95% interval (`bench_stats.py`), the ratio of the fastest
-rounds, the same for the blocking timings, and the compile time (first call: trace +
-compile + one run) separately. It is printed as Markdown, written to
+every call's result, the variants' calls interleaved one by one). The table reports
+per variant the median µs per step with the min-max over rounds, the median over
+rounds of the ratio to `pure_jax` timed in the same round with a bootstrap 95%
+interval (`bench_stats.py`), the ratio of the fastest rounds, the same for the
+blocking timings, and the compile time (first call: trace + compile + one run)
+separately. It is printed as Markdown, written to
 `results_step_overhead.md` and plotted to `step_overhead.png` in `--out`.
 
 Run: `python benchmarks/step_overhead.py` (`--tiny` for a seconds-long smoke run).
@@ -54,6 +55,7 @@ import functools
 import importlib.util
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -1386,23 +1388,43 @@ def build_and_check(
     return runners, info
 
 
-def _time_once(runner: Runner, calls: int, blocking: bool) -> float:
-    """Seconds per training step over `calls` calls: pipelined (one
-    `block_until_ready` after the last call; JAX dispatches asynchronously, so
-    Python work overlaps the previous step's execution, as in a training loop that
-    does not read the loss every step), or blocking on every call's result (each
-    step's full latency, nothing overlapped)."""
+def _time_pipelined(runner: Runner, calls: int) -> float:
+    """Seconds per training step over `calls` consecutive calls and one
+    `block_until_ready` after the last (JAX dispatches asynchronously, so Python
+    work overlaps the previous step's execution, as in a training loop that does
+    not read the loss every step)."""
     step = runner.step
     jax.block_until_ready(step())  # settle after the previous variant
     t0 = time.perf_counter()
-    if blocking:
-        for _ in range(calls):
-            jax.block_until_ready(step())
-    else:
-        for _ in range(calls):
-            loss = step()
-        jax.block_until_ready(loss)
+    for _ in range(calls):
+        loss = step()
+    jax.block_until_ready(loss)
     return (time.perf_counter() - t0) / (calls * runner.steps_per_call)
+
+
+def _time_blocking(
+    runners: dict[str, Runner], calls: dict[str, int], seed: int
+) -> dict[str, float]:
+    """Seconds per training step of each variant, blocking on every call's result
+    (each step's full latency, nothing overlapped), the variants' calls interleaved
+    one by one: cycle after cycle, each variant that has calls left makes one, in an
+    order shuffled every cycle (`seed`). A variant's call is timed within
+    milliseconds of every other's, so the machine's drift over a round, which
+    pipelined timings of `steps` calls in a row pair only round by round, cancels
+    call by call (at the medium size, two instances of one variant then differ by
+    < 1 %, against several % timed in blocks)."""
+    rng = random.Random(seed)
+    total = dict.fromkeys(runners, 0.0)
+    left = dict(calls)
+    while order := [n for n in runners if left[n]]:
+        rng.shuffle(order)
+        for name in order:
+            step = runners[name].step
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            total[name] += time.perf_counter() - t0
+            left[name] -= 1
+    return {n: total[n] / (calls[n] * runners[n].steps_per_call) for n in runners}
 
 
 def calls_per_round(runner: Runner, steps: int) -> int:
@@ -1415,21 +1437,25 @@ def time_variants(
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Seconds per training step for each variant and round, pipelined and
     blocking: `({variant: [s per round]}, {variant: [s per round]})`. Every round
-    times each variant both ways, the variants interleaved and their order rotated
-    from round to round (and the two ways alternated), so drift of the machine hits
-    all alike and every variant's round pairs with the reference's same round."""
+    times each variant both ways: pipelined, the variants one after another in an
+    order rotated from round to round; blocking, the variants' calls interleaved one
+    by one (`_time_blocking`); the two ways alternate which goes first. Drift of the
+    machine hits all alike, and every variant's round pairs with the reference's
+    same round."""
     names = list(runners)
+    calls = {n: calls_per_round(runners[n], steps) for n in names}
     pipelined: dict[str, list[float]] = {n: [] for n in names}
     blocking: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
-        for name in names[k:] + names[:k]:
-            runner = runners[name]
-            calls = calls_per_round(runner, steps)
-            for block in (False, True) if r % 2 == 0 else (True, False):
-                (blocking if block else pipelined)[name].append(
-                    _time_once(runner, calls, block)
-                )
+        ways = ("pipelined", "blocking") if r % 2 == 0 else ("blocking", "pipelined")
+        for way in ways:
+            if way == "blocking":
+                for name, t in _time_blocking(runners, calls, seed=r).items():
+                    blocking[name].append(t)
+                continue
+            for name in names[k:] + names[:k]:
+                pipelined[name].append(_time_pipelined(runners[name], calls[name]))
     return pipelined, blocking
 
 
@@ -1597,7 +1623,8 @@ def markdown(
         "calls between two `jax.block_until_ready` (Python work overlaps the "
         "previous step's execution, as in a loop that does not read the loss every "
         "step). *Blocking*: `jax.block_until_ready` on every call's result (the full "
-        "latency of each step). × pure JAX: median over rounds of (variant / pure "
+        "latency of each step), the variants' calls interleaved one by one in an "
+        "order shuffled every cycle, so drift cancels call by call. × pure JAX: median over rounds of (variant / pure "
         "JAX in the same round), with a bootstrap 95% interval over rounds; fastest "
         "round ×: the variant's fastest round over pure JAX's fastest round. "
         "Compile: the first call (trace, compile, one call), median over "

@@ -351,3 +351,34 @@ def test_many_cells_fits_the_control_beside_ref_against_value():
     assert fits["control"]["slope"] == pytest.approx(0.25)
     assert fits["ref_value"]["slope"] == pytest.approx(0.5)
     assert mc.CONTROL not in fits[mc.LIMIT]
+
+
+def test_blocking_timings_interleave_every_call_and_time_each_alone(so, monkeypatch):
+    """`time_variants`' blocking way makes each variant's calls one by one between
+    the others' (every variant with calls left once per cycle), blocks on each, and
+    divides each variant's own time by its steps; a fake clock makes it exact."""
+    clock = [0.0]
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name, cost, steps_per_call=1):
+            self.name, self.cost, self.steps_per_call = name, cost, steps_per_call
+
+        def step(self):
+            log.append(self.name)
+            clock[0] += self.cost
+            return jnp.zeros(())
+
+    monkeypatch.setattr(so.time, "perf_counter", lambda: clock[0])
+    runners = {"a": Fake("a", 3.0), "b": Fake("b", 5.0), "k": Fake("k", 40.0, 10)}
+    pipelined, blocking = so.time_variants(runners, rounds=2, steps=20)
+    assert blocking == {"a": [3.0, 3.0], "b": [5.0, 5.0], "k": [4.0, 4.0]}
+    assert pipelined == blocking  # a call's cost is its own either way
+    # round 0: pipelined first (a settle call, then 20 / steps_per_call calls, per
+    # variant in turn), then blocking: cycles of one call each, shuffled
+    blocking_calls = log[(1 + 20) + (1 + 20) + (1 + 2) :][: 20 + 20 + 2]
+    cycles = [blocking_calls[0:3], blocking_calls[3:6]] + [
+        blocking_calls[6 + 2 * i : 8 + 2 * i] for i in range(18)
+    ]
+    assert [sorted(c) for c in cycles] == [["a", "b", "k"]] * 2 + [["a", "b"]] * 18
+    assert len({tuple(c) for c in cycles}) > 1  # the order is shuffled
