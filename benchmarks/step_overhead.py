@@ -1453,9 +1453,9 @@ def time_variants(
             if way == "blocking":
                 for name, t in _time_blocking(runners, calls, seed=r).items():
                     blocking[name].append(t)
-                continue
-            for name in names[k:] + names[:k]:
-                pipelined[name].append(_time_pipelined(runners[name], calls[name]))
+            else:
+                for name in names[k:] + names[:k]:
+                    pipelined[name].append(_time_pipelined(runners[name], calls[name]))
     return pipelined, blocking
 
 

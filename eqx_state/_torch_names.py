@@ -628,6 +628,7 @@ register_torch_names(
     lambda m, a: eqx.tree_at(lambda b: b.layer, m, a[""]),
 )
 register_torch_names(SpectralNorm, _sn_to_torch, _sn_from_torch, aliases=_sn_aliases)
+# (the size hint is not part of the public `register_torch_names`)
 _CONVERTERS[SpectralNorm] = _CONVERTERS[SpectralNorm]._replace(size_hint=_sn_size_hint)
 register_torch_names(
     eqx.nn.WeightNorm,
